@@ -1,0 +1,1 @@
+"""Evidence that a run is correct: invariant checks, equivalence audits, corruption detectors."""

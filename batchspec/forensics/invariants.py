@@ -1,0 +1,82 @@
+"""Per-round invariant checks for a layout (`--check-invariants`).
+
+Structural checks come from the layout itself (I1 for the padded rectangle, cursor bounds for the
+ragged one). Checked here, independently of how the layout computed them:
+- I2 position contiguity: in the last forward, each query's position equals the number of slots it
+  could see minus one (so the first real token has position 0 and pads never count);
+- each row's committed length agrees with the engine's own count of that sequence's tokens;
+- for a sample of rows, the cached K/V of the committed prefix equal a fresh batch-1 forward of
+  that prefix on transformers' own DynamicCache, within a dtype-dependent tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv import dynamic_cache_kv, new_dynamic_cache
+from ..layouts import Layout
+
+
+class InvariantError(AssertionError):
+    """A layout invariant broke: names the model, row, round and invariant."""
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+@torch.inference_mode()
+def fresh_kv(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """[layers, 2, heads, len, dim] K/V of a prefix computed from scratch, batch 1."""
+    cache = new_dynamic_cache(model)
+    device = next(model.parameters()).device
+    model(input_ids=torch.tensor([token_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    return dynamic_cache_kv(cache)
+
+
+def check_layout(
+    layout: Layout,
+    name: str,
+    round_index: int,
+    expected_lengths: list[int] | None,
+    prefixes: list[list[int]],
+    sample_rows: list[int],
+) -> None:
+    """Raise InvariantError on the first broken invariant.
+
+    expected_lengths: what each row's committed length must be (None when the layout's commit is
+    lazy, as for drafters); prefixes[b]: token ids whose K/V row b must hold (a prefix of the
+    committed tokens), checked for `sample_rows` only (it costs a forward per row).
+    """
+
+    def fail(row: int | None, what: str) -> None:
+        where = f"row {row}" if row is not None else "layout"
+        raise InvariantError(f"{name}: {where}, round {round_index}: {what}")
+
+    for problem in layout.violations():
+        fail(None, problem)
+    if expected_lengths is not None:
+        actual = layout.lengths.tolist()
+        for row, (got, want) in enumerate(zip(actual, expected_lengths)):
+            if got != want:
+                fail(row, f"committed length {got} != sequence's {want}")
+    if layout.last_positions is not None and layout.last_visible is not None:
+        seen = layout.last_visible.sum(dim=-1) - 1
+        bad = (layout.last_positions != seen).nonzero()
+        if bad.numel():
+            row, query = bad[0].tolist()
+            fail(row, f"I2 position contiguity: query {query} has position "
+                 f"{int(layout.last_positions[row, query])} but sees {int(seen[row, query]) + 1} slots")
+    for row in sample_rows:
+        start, count = layout.row_slots(row)
+        prefix = prefixes[row]
+        if len(prefix) > count:
+            fail(row, f"asked to check {len(prefix)} tokens but only {count} are committed")
+        if not prefix:
+            continue
+        cached = layout.store.row_kv(row, start, len(prefix)).float()
+        fresh = fresh_kv(layout.model, prefix).float()
+        scale = 1.0 + fresh.abs().max().item()
+        err = (cached - fresh).abs().max().item()
+        if err > _tolerance(layout.store.data.dtype) * scale:
+            fail(row, f"cached K/V differ from a fresh forward of the prefix (max abs error {err:.3g})")

@@ -1,0 +1,260 @@
+"""Loading target/drafter models and tokenizers, and the small helpers the engines need from them.
+
+Everything runs offline: a source is the bundled pair, a local Hugging Face folder or a local
+``.gguf`` file. Any failure caused by the user's input (missing path, corrupt weights, bad dtype,
+mismatched vocabularies) surfaces as a one-line :class:`BatchspecError` instead of a deep
+transformers traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+)
+
+from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs
+from .config import BatchspecError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+TINY_ARCHS = ("llama", "qwen2", "gpt2")
+
+
+def parse_dtype(dtype: str) -> torch.dtype:
+    """Map a user-facing dtype name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16") to torch."""
+    try:
+        return _DTYPES[dtype.lower()]
+    except (KeyError, AttributeError):
+        raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}") from None
+
+
+def _short_reason(exc: BaseException, limit: int = 200) -> str:
+    """First line of an exception message, so wrapped errors stay one readable line."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _resolve(source: str | None, role: str) -> tuple[Path, str | None]:
+    """Turn a source into (folder, GGUF file name or None); the bundled pair is converted on first use."""
+    if source is None:
+        if role not in BUNDLED:
+            raise BatchspecError(f"unknown model role {role!r}; choose one of {', '.join(BUNDLED)}")
+        return bundled_model_dir(role), None
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise BatchspecError(f"could not load model from {source}: no config.json (not a Hugging Face model folder)")
+        return path, None
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.parent, path.name
+    if path.is_file():
+        raise BatchspecError(f"model path {source} is a file but not .gguf; pass a Hugging Face folder or a .gguf file")
+    raise BatchspecError(f"model path not found: {source} (models load offline from a local folder or .gguf file)")
+
+
+def load_model(
+    source: str | None, role: str = "target", dtype: str = "float32", device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer in eval mode on ``device``.
+
+    ``source`` None means the bundled model for ``role`` ("target" or "draft"). SDPA attention is
+    forced so every engine sees the same attention kernel family (the equality tests rely on it).
+    """
+    torch_dtype = parse_dtype(dtype)
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise BatchspecError(f"unknown device {device!r}: {_short_reason(exc)}") from exc
+    folder, gguf_file = _resolve(source, role)
+    tokenizer_kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file}
+    model_kwargs = {} if gguf_file is None else {**tokenizer_kwargs, **gguf_load_kwargs()}
+    label = source if source is not None else f"bundled {role} ({folder})"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True, **model_kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **tokenizer_kwargs)
+    except Exception as exc:  # transformers raises OSError/ValueError/KeyError/safetensors errors/...
+        raise BatchspecError(f"could not load model from {label}: {_short_reason(exc)}") from exc
+    try:
+        model.to(torch_device)
+    except Exception as exc:
+        raise BatchspecError(f"could not move model from {label} to {device}: {_short_reason(exc)}") from exc
+    model.eval()
+    return model, tokenizer
+
+
+@dataclass
+class ModelPair:
+    """A target model, an optional drafter, and the tokenizer they share (the target's)."""
+
+    target: PreTrainedModel
+    draft: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase
+
+
+def load_pair(
+    target: str | None,
+    draft: str | None,
+    dtype: str = "float32",
+    draft_dtype: str | None = None,
+    device: str = "cpu",
+    need_draft: bool = True,
+) -> ModelPair:
+    """Load the target and (if ``need_draft``) the drafter, and check that they can be paired.
+
+    ``None`` for either source means the bundled model of that role. ``draft_dtype`` defaults to
+    ``dtype``. Both dtypes are validated before any (slow) loading starts.
+    """
+    parse_dtype(dtype)
+    draft_dtype = dtype if draft_dtype is None else draft_dtype
+    if need_draft:
+        parse_dtype(draft_dtype)
+    target_model, target_tok = load_model(target, role="target", dtype=dtype, device=device)
+    if not need_draft:
+        return ModelPair(target=target_model, draft=None, tokenizer=target_tok)
+    draft_model, draft_tok = load_model(draft, role="draft", dtype=draft_dtype, device=device)
+    try:
+        check_compatible(target_model, target_tok, draft_model, draft_tok)
+    except BatchspecError as exc:
+        names = f"target {target or 'bundled'} and draft {draft or 'bundled'}"
+        raise BatchspecError(f"{names} cannot be paired: {exc}") from exc
+    return ModelPair(target=target_model, draft=draft_model, tokenizer=target_tok)
+
+
+def output_vocab_size(model: PreTrainedModel) -> int:
+    """Rows of the LM head, i.e. the width of the logits (may exceed the tokenizer's vocabulary)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def check_compatible(
+    target_model: PreTrainedModel,
+    target_tok: PreTrainedTokenizerBase,
+    draft_model: PreTrainedModel,
+    draft_tok: PreTrainedTokenizerBase,
+) -> None:
+    """Refuse a drafter whose token ids mean something else than the target's.
+
+    Speculative decoding compares draft and target probabilities id by id, so both the token->id
+    mapping and the logits width must match exactly.
+    """
+    target_vocab = target_tok.get_vocab()
+    draft_vocab = draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        raise BatchspecError(
+            f"tokenizer vocabularies differ ({len(target_vocab)} vs {len(draft_vocab)} tokens, "
+            f"{differing} token->id entries not shared)"
+        )
+    target_width = output_vocab_size(target_model)
+    draft_width = output_vocab_size(draft_model)
+    if target_width != draft_width:
+        raise BatchspecError(f"output vocabulary sizes differ (target lm head {target_width}, draft lm head {draft_width})")
+
+
+def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Every id that ends a generation: the generation config's eos ids plus the tokenizer's eos.
+
+    Instruct models end a turn with a chat token (Qwen: ``<|im_end|>``) that is not always the
+    tokenizer's eos, so both sources are needed. Order is preserved, duplicates dropped.
+    """
+    generation_config = getattr(model, "generation_config", None)
+    ids = _as_ids(getattr(generation_config, "eos_token_id", None)) + _as_ids(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def context_limit(model: PreTrainedModel) -> int | None:
+    """The model's maximum number of positions, if its config declares one."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return int(limit) if limit is not None else None
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
+    """Token ids for one user prompt, wrapped in the chat template when the tokenizer has one.
+
+    The rendered template already contains any special tokens it needs, so it is tokenized without
+    adding special tokens a second time.
+    """
+    if not text.strip():
+        raise BatchspecError("empty prompt")
+    if chat_template and tokenizer.chat_template:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    return list(tokenizer.encode(text))
+
+
+def _tiny_config(arch: str, vocab_size: int, hidden: int, layers: int, init_std: float) -> PretrainedConfig:
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "initializer_range": init_std,
+        "tie_word_embeddings": False,
+        "pad_token_id": None,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    if arch == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, **common)
+    decoder: dict[str, Any] = {
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        **common,
+    }
+    if arch == "llama":
+        return LlamaConfig(**decoder)
+    if arch == "qwen2":
+        return Qwen2Config(**decoder)
+    raise BatchspecError(f"unknown tiny model architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
+
+
+def tiny_model(
+    arch: str, vocab_size: int = 96, seed: int = 0, hidden: int = 64, layers: int = 2, init_std: float = 0.5
+) -> PreTrainedModel:
+    """A small random fp32 model for tests: same ``seed`` gives the same weights.
+
+    The large ``init_std`` spreads the logits so greedy argmax has no near-ties that batching noise
+    could flip. Llama/Qwen2 use 4 query heads over 2 KV heads (GQA); GPT-2 has learned absolute
+    positions, so the suite also covers position handling that is not rotary.
+    """
+    config = _tiny_config(arch, vocab_size, hidden, layers, init_std)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()

@@ -1,0 +1,62 @@
+"""One request in flight: its tokens, how it ends, and what it cost."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .config import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """A prompt being decoded. `generated` never holds tokens past a stop token or max_new_tokens."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.generated)
+
+    def extend(self, new_tokens: list[int]) -> int:
+        """Append tokens up to and including the first stop token, within max_new_tokens.
+        Returns how many were appended."""
+        taken = 0
+        now = time.perf_counter()
+        for token in new_tokens:
+            if self.finished:
+                break
+            self.generated.append(token)
+            taken += 1
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.remaining <= 0:
+                self.finish_reason = "length"
+        if taken and self.first_token_time is None:
+            self.first_token_time = now
+        if self.finished and self.finish_time is None:
+            self.finish_time = now
+        return taken
