@@ -15,10 +15,10 @@ import torch
 
 from . import acceptance
 from .config import BatchspecError, SamplingParams, SpecConfig
-from .drafters import Drafter, ModelDrafter
+from .drafters import Draft, Drafter, ModelDrafter, Picker, pick_argmax
 from .forensics.invariants import check_layout
 from .kv import check_supported, context_limit
-from .layouts import Layout, make_layout
+from .layouts import METHOD_LAYOUT, Layout, make_layout
 from .sequence import Sequence
 
 
@@ -77,8 +77,10 @@ class Engine:
         self.custom_drafter = drafter if spec.speculative else None
         self.spec = spec
         self.stop_ids = frozenset(stop_ids)
-        self.layout_kind = "padded" if spec.method == "eqspec" else "ragged"
+        self.layout_kind = METHOD_LAYOUT[spec.method]
         self.stats = EngineStats()
+        limits = [context_limit(m) for m in (target, self.draft_model) if m is not None]
+        self.limit = min((x for x in limits if x is not None), default=None)
 
     # ---- public -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
@@ -91,10 +93,8 @@ class Engine:
     ) -> Iterator[Sequence]:
         """Yield each sequence as soon as it finishes."""
         per_request = params if isinstance(params, list) else [params] * len(prompts)
-        limits = [context_limit(self.target)] + ([context_limit(self.draft_model)] if self.draft_model else [])
-        limit = min((x for x in limits if x is not None), default=None)
         for p, sp in zip(prompts, per_request):
-            validate_prompt(p, sp, limit)
+            validate_prompt(p, sp, self.limit)
         seqs = [
             Sequence(i, list(p), sp, self.stop_ids | frozenset(sp.stop_token_ids))
             for i, (p, sp) in enumerate(zip(prompts, per_request))
@@ -136,7 +136,7 @@ class Engine:
         """Prefill new rows (target and drafter); the target's prefill yields each first token."""
         start = _clock(self.target)
         logits = self.target_layout.prefill([s.prompt_ids for s in seqs])
-        first = logits.argmax(dim=-1).tolist()
+        first = self._pick_first(logits, seqs).tolist()
         for s, token in zip(seqs, first):
             s.extend([token])
         if self.drafter is not None:
@@ -150,13 +150,13 @@ class Engine:
         if self.drafter is not None:
             k = min(self.spec.num_draft_tokens, max(s.remaining for s in active) - 1)
         pending = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.long, device=device)
-        drafts = torch.zeros((len(active), 0), dtype=torch.long, device=device)
+        draft = Draft(torch.zeros((len(active), 0), dtype=torch.long, device=device), None)
         if k > 0:
-            drafts = self.drafter.propose(active, k).tokens
+            draft = self.drafter.propose(active, k, self._draft_picker(active))
         t1 = _clock(self.target)
-        logits = self.target_layout.forward(torch.cat([pending, drafts], dim=1))
+        logits = self.target_layout.forward(torch.cat([pending, draft.tokens], dim=1))
         t2 = _clock(self.target)
-        tokens, count = acceptance.greedy(drafts, logits)
+        tokens, count = self._accept(draft, logits, active)
         tokens_l, count_l = tokens.tolist(), count.tolist()
         for s, toks, n in zip(active, tokens_l, count_l):
             taken = s.extend(toks[:n])
@@ -174,6 +174,21 @@ class Engine:
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         self.stats.other_time += t3 - t2
+
+    # ---- token choice: the only place that knows about decoding rules ----------------------------
+    def _pick_first(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The first generated token of each new row, from the target's prefill logits [b, vocab]."""
+        return logits.argmax(dim=-1)
+
+    def _draft_picker(self, seqs: list[Sequence]) -> Picker:
+        """How the drafter turns its logits into draft tokens this round."""
+        return pick_argmax
+
+    def _accept(
+        self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]]."""
+        return acceptance.greedy(draft.tokens, logits)
 
     def _retire(self, active: list[Sequence]) -> list[Sequence]:
         keep = [not s.finished for s in active]

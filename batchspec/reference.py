@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .config import SamplingParams
 from .kv import forward_plain, new_dynamic_cache
 
 
@@ -29,3 +30,13 @@ def greedy_decode(
         if token in stop or len(generated) >= max_new_tokens:
             return generated
         logits = forward_plain(model, torch.tensor([[token]], device=device), cache)
+
+
+def reference_decode(
+    model: torch.nn.Module, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = ()
+) -> list[int]:
+    """What plain decoding of this prompt alone produces under `params` (the oracle for any run)."""
+    stop = set(stop_ids) | set(params.stop_token_ids)
+    if params.greedy:
+        return greedy_decode(model, prompt_ids, params.max_new_tokens, stop)
+    raise NotImplementedError("seeded sampling oracle")

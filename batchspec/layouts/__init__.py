@@ -4,9 +4,13 @@ from .base import Layout
 from .padded import PaddedLayout
 from .ragged import RaggedLayout
 
-__all__ = ["Layout", "PaddedLayout", "RaggedLayout", "make_layout"]
+__all__ = ["LAYOUTS", "METHOD_LAYOUT", "Layout", "PaddedLayout", "RaggedLayout", "make_layout"]
+
+# `padded` is the paper's EQSPEC rectangle; `ragged` keeps one write cursor per row.
+LAYOUTS: dict[str, type[Layout]] = {"padded": PaddedLayout, "ragged": RaggedLayout}
+# Which layout each decoding method runs on.
+METHOD_LAYOUT: dict[str, str] = {"ar": "ragged", "ragged": "ragged", "eqspec": "padded", "exspec": "padded"}
 
 
 def make_layout(kind: str, model, max_rows: int, capacity: int) -> Layout:
-    """`padded` is the paper's EQSPEC rectangle; `ragged` keeps one write cursor per row."""
-    return {"padded": PaddedLayout, "ragged": RaggedLayout}[kind](model, max_rows, capacity)
+    return LAYOUTS[kind](model, max_rows, capacity)

@@ -1,0 +1,77 @@
+"""Arguments and builders shared by the commands, so every command spells options the same way."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import METHODS, SCHEDULERS, SamplingParams, SpecConfig
+from ..llm import LLM
+from ..models import ModelPair, load_pair
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", help="HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")
+    g.add_argument("--draft", help="HF model folder or .gguf file (default: bundled Qwen2.5-Coder-0.5B-Instruct)")
+    g.add_argument("--dtype", default="float32", help="target dtype: float32 | bfloat16 | float16")
+    g.add_argument("--draft-dtype", help="drafter dtype (default: --dtype); changes acceptance, never the output")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat template")
+
+
+def add_decoding_arguments(p: argparse.ArgumentParser, method_default: str = "ragged") -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--method", default=method_default, choices=METHODS)
+    g.add_argument("--batch-size", type=int, default=4)
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=5)
+    g.add_argument("--scheduler", default="static", choices=SCHEDULERS)
+    g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window (default 4x batch size)")
+    g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
+    g.add_argument("--check-invariants", action="store_true", help="verify layout invariants and cached K/V every round")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, help="per-request seed base: request i uses seed + i")
+
+
+def spec_from_args(args: argparse.Namespace, **overrides) -> SpecConfig:
+    fields = dict(
+        method=args.method,
+        num_draft_tokens=args.num_draft_tokens,
+        batch_size=args.batch_size,
+        scheduler=args.scheduler,
+        check_invariants=args.check_invariants,
+        window_size=args.window_size,
+        sort_by_length=args.sort_by_length,
+    )
+    fields.update(overrides)
+    return SpecConfig(**fields)
+
+
+def params_for(args: argparse.Namespace, count: int) -> list[SamplingParams]:
+    """One SamplingParams per request; with --seed, request i gets seed + i (distinct streams)."""
+    return [
+        SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=None if args.seed is None else args.seed + i,
+        )
+        for i in range(count)
+    ]
+
+
+def load_models(args: argparse.Namespace, need_draft: bool) -> ModelPair:
+    return load_pair(
+        args.target, args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device, need_draft=need_draft
+    )
+
+
+def make_llm(args: argparse.Namespace, models: ModelPair, spec: SpecConfig) -> LLM:
+    return LLM(spec=spec, models=models, chat_template=not args.no_chat_template)
