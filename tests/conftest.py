@@ -1,0 +1,25 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Deterministic property tests: the same examples every run, so CI is reproducible.
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    """HF folders of a tiny Llama target and a perturbed drafter sharing a word-level tokenizer."""
+    from tinyworld import save_pair
+
+    return save_pair(tmp_path_factory.mktemp("tiny_pair"))

@@ -1,0 +1,98 @@
+"""Tiny models, a tiny tokenizer and rigged drafters for tests (no downloads, seconds to build)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from batchspec.drafters import Draft, Drafter, Picker, pick_argmax
+from batchspec.models import tiny_model
+from batchspec.sequence import Sequence
+
+WORDS = (
+    "the a of to and in is it you that he was for on are with as his they be at one have this from or "
+    "had by word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long make thing "
+    "see him two has look more day could go come did number sound no most people my over know water than "
+    "call first who may down side been now find"
+).split()
+SPECIALS = ["<s>", "</s>", "<unk>"]
+VOCAB_SIZE = len(SPECIALS) + len(WORDS)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: ids 0/1/2 are <s>/</s>/<unk> (bos/eos of the tiny models)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def perturbed_copy(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
+    """A drafter that mostly agrees with `model`: same weights plus Gaussian noise, so acceptance is
+    partial and ragged across rows, as with a real small drafter."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp(min=1e-3))
+    return draft
+
+
+def save_pair(root: Path, arch: str = "llama", noise: float = 0.02) -> tuple[Path, Path]:
+    """Save a tiny target and a perturbed drafter, with the tiny tokenizer, as HF folders."""
+    tok = tiny_tokenizer()
+    target = tiny_model(arch, vocab_size=VOCAB_SIZE, seed=0)
+    draft = perturbed_copy(target, noise, seed=1)
+    paths = []
+    for name, model in (("target", target), ("draft", draft)):
+        path = root / name
+        model.generation_config.eos_token_id = 1
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def random_prompts(count: int, lengths: list[int], seed: int, vocab: int = VOCAB_SIZE) -> list[list[int]]:
+    """Token-id prompts avoiding the special ids 0..2."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(count)]
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the target's known greedy continuation, right with probability `p_right[row]` per
+    token (else a wrong token), so tests control how ragged acceptance gets. p = 1 always right,
+    p = 0 always wrong."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], p_right: float | list[float], vocab: int, seed: int = 0):
+        self.continuations = continuations
+        self.p_right = p_right
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def drop(self, keep: list[bool]) -> list[int]:
+        return []
+
+    def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
+        rows = []
+        for s in seqs:
+            truth = self.continuations[tuple(s.prompt_ids)]
+            p = self.p_right if isinstance(self.p_right, float) else self.p_right[s.index % len(self.p_right)]
+            row = []
+            for j in range(k):
+                pos = len(s.generated) + j
+                right = truth[pos] if pos < len(truth) else self.rng.randrange(self.vocab)
+                row.append(right if self.rng.random() < p else (right + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+            rows.append(row)
+        return Draft(torch.tensor(rows, dtype=torch.long), None)
