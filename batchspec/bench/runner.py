@@ -1,0 +1,321 @@
+"""Timing every method on the same encoded prompts, with the models loaded once.
+
+Our engine is timed through `LLM` (its EngineStats split prefill / draft / verify); Hugging Face's
+own `generate` is timed from outside, with a streamer recording when each row got its first token
+and when it finished, so latency and time to first token mean the same thing for every method:
+seconds since the run started (all requests arrive at once, as in an offline batch).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+from ..config import SamplingParams, SpecConfig
+from ..llm import LLM
+from ..models import ModelPair
+from .exactness import Classifier, Match, Oracle, compare
+from .methods import HF_ASSISTED, MethodSpec
+from .specbench import BenchPrompt
+
+ALL = "all"  # label of a run over every prompt at once
+
+
+@dataclass
+class RowResult:
+    """One prompt's output under one method, with what it cost."""
+
+    token_ids: list[int]
+    ttft: float | None
+    latency: float | None
+    rounds: int = 0  # verification rounds this row took part in
+    round_tokens: int = 0  # tokens those rounds produced for this row
+    drafted: int = 0
+    accepted: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Timing:
+    """Wall time of one run and where it went; draft/verify are None when nobody measured them."""
+
+    wall: float
+    prefill: float
+    draft: float | None = None
+    verify: float | None = None
+
+    def __add__(self, other: Timing) -> Timing:
+        def plus(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else a + b
+
+        return Timing(
+            self.wall + other.wall, self.prefill + other.prefill,
+            plus(self.draft, other.draft), plus(self.verify, other.verify),
+        )
+
+
+@dataclass
+class MethodResult:
+    """A method over all bench prompts: rows in prompt order, a timing per run (`all`, or one per
+    task group), and each row's comparison with the oracle."""
+
+    spec: MethodSpec
+    rows: list[RowResult] = field(default_factory=list)
+    timings: dict[str, Timing] = field(default_factory=dict)
+    matches: list[Match | None] = field(default_factory=list)
+    labels: list[str | None] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What every method shares: the decoding budget and the speculative knobs."""
+
+    max_new_tokens: int
+    num_draft_tokens: int
+    window_size: int | None = None
+    sort_by_length: bool = False
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens)
+
+
+def _bar(total: int, desc: str) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, leave=False)
+
+
+@torch.inference_mode()
+def warm_up(models: ModelPair, prompt: Sequence[int]) -> None:
+    """One short forward per model before any timing, so lazy initialisation (kernels, allocator,
+    thread pools) is not billed to whichever method happens to run first."""
+    for model in (models.target, models.draft):
+        if model is not None:
+            device = next(model.parameters()).device
+            model(input_ids=torch.tensor([list(prompt[:8])], device=device))
+
+
+# ---- our engine -------------------------------------------------------------------------------
+def run_engine(
+    models: ModelPair, spec: MethodSpec, prompts: list[BenchPrompt], settings: BenchSettings, desc: str
+) -> tuple[list[RowResult], Timing]:
+    config = SpecConfig(
+        method=spec.method,
+        num_draft_tokens=settings.num_draft_tokens,
+        batch_size=spec.batch_size,
+        scheduler=spec.scheduler,
+        window_size=settings.window_size if spec.method == "exspec" else None,
+        sort_by_length=settings.sort_by_length if spec.method == "exspec" else False,
+    )
+    llm = LLM(spec=config, models=models, chat_template=False)  # prompts arrive encoded
+    rows: dict[int, RowResult] = {}
+    with _bar(len(prompts), desc) as bar:
+        start = time.perf_counter()
+        for out in llm.stream([list(p.token_ids) for p in prompts], settings.params):
+            n = len(out.token_ids)
+            rows[out.index] = RowResult(
+                out.token_ids, out.time_to_first_token, out.latency,
+                rounds=out.rounds, round_tokens=max(n - 1, 0),  # the first token comes from prefill
+                drafted=out.drafted, accepted=out.accepted, error=out.error,
+            )
+            bar.update(1)
+        wall = time.perf_counter() - start
+    s = llm.stats
+    return [rows[i] for i in range(len(prompts))], Timing(wall, s.prefill_time, s.draft_time, s.verify_time)
+
+
+# ---- Hugging Face generate --------------------------------------------------------------------
+class _Timeline(BaseStreamer):
+    """Streamer that records, per row of one generate() call, when its first token arrived and
+    when it finished (stop token or token budget), and how many times tokens were pushed (one
+    push per decoding step; per assisted round at batch 1)."""
+
+    def __init__(self, rows: int, stop_ids: frozenset[int], max_new_tokens: int, origin: float) -> None:
+        self.rows, self.stop_ids, self.max_new_tokens, self.origin = rows, stop_ids, max_new_tokens, origin
+        self.prompt_seen = False
+        self.steps = 0
+        self.first_step_at: float | None = None
+        self.first: list[float | None] = [None] * rows
+        self.finish: list[float | None] = [None] * rows
+        self.count = [0] * rows
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter() - self.origin
+        if not self.prompt_seen:  # generate pushes the prompt first
+            self.prompt_seen = True
+            return
+        self.steps += 1
+        if self.first_step_at is None:
+            self.first_step_at = now
+        for b, tokens in enumerate(value.reshape(self.rows, -1).tolist()):
+            if self.finish[b] is not None:
+                continue  # finished rows are fed padding
+            if self.first[b] is None:
+                self.first[b] = now
+            for token in tokens:
+                self.count[b] += 1
+                if token in self.stop_ids or self.count[b] >= self.max_new_tokens:
+                    self.finish[b] = now
+                    break
+
+    def end(self) -> None:
+        now = time.perf_counter() - self.origin
+        self.finish = [now if f is None else f for f in self.finish]
+
+
+class _CallCounter:
+    """Forward pre-hook counting calls: every forward of the assistant drafts exactly one token."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        self.calls += 1
+
+
+@contextmanager
+def _plain_generation_configs(models: ModelPair, num_draft_tokens: int) -> Iterator[None]:
+    """Swap in transformers' default generation configs for the duration of a baseline.
+
+    generate() fills every unset option from the model's own generation_config.json, which for
+    instruct models carries a repetition penalty (applied even when greedy) and sampling knobs: the
+    baseline would not be plain greedy. The assistant drafts exactly K tokens a round (constant
+    schedule, no confidence cut-off), as our methods do, so acceptance is compared like for like.
+    """
+    saved = [(m, m.generation_config) for m in (models.target, models.draft) if m is not None]
+    models.target.generation_config = GenerationConfig()
+    if models.draft is not None:
+        models.draft.generation_config = GenerationConfig(
+            num_assistant_tokens=num_draft_tokens,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
+    try:
+        yield
+    finally:
+        for model, config in saved:
+            model.generation_config = config
+
+
+def _left_pad(batch: list[BenchPrompt], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p.token_ids) for p in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, p in enumerate(batch):
+        ids[b, width - len(p.token_ids):] = torch.tensor(p.token_ids)
+        mask[b, width - len(p.token_ids):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _until_stop(tokens: list[int], stop_ids: frozenset[int], limit: int) -> list[int]:
+    """A generate() row up to and including its first stop token (the rest is padding)."""
+    out: list[int] = []
+    for token in tokens[:limit]:
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out
+
+
+def run_hf(
+    models: ModelPair,
+    spec: MethodSpec,
+    prompts: list[BenchPrompt],
+    settings: BenchSettings,
+    stop_ids: Sequence[int],
+    desc: str,
+) -> tuple[list[RowResult], Timing]:
+    """`hf@B`: batched plain greedy generate (left padding); `hf-assisted@1`: generate with the
+    drafter as assistant model. Same prompts, token budget and stop ids as our methods."""
+    target, tokenizer = models.target, models.tokenizer
+    assistant = models.draft if spec.method == HF_ASSISTED else None
+    stops = frozenset(stop_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    device = next(target.parameters()).device
+    drafts = _CallCounter()
+    hook = assistant.register_forward_pre_hook(drafts) if assistant is not None else None
+    rows: list[RowResult] = []
+    prefill = 0.0
+    try:
+        with _plain_generation_configs(models, settings.num_draft_tokens), _bar(len(prompts), desc) as bar:
+            start = time.perf_counter()
+            for lo in range(0, len(prompts), spec.batch_size):
+                batch = prompts[lo: lo + spec.batch_size]
+                ids, mask = _left_pad(batch, pad_id, device)
+                timeline = _Timeline(len(batch), stops, settings.max_new_tokens, start)
+                drafted_before = drafts.calls
+                batch_start = time.perf_counter() - start
+                out = target.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens, do_sample=False,
+                    eos_token_id=list(stop_ids), pad_token_id=pad_id, streamer=timeline, assistant_model=assistant,
+                )
+                end = time.perf_counter() - start
+                prefill += (timeline.first_step_at if timeline.first_step_at is not None else end) - batch_start
+                for b, row in enumerate(out[:, ids.shape[1]:].tolist()):
+                    tokens = _until_stop(row, stops, settings.max_new_tokens)
+                    if assistant is None:
+                        rounds, round_tokens, drafted = len(tokens) - 1, len(tokens) - 1, 0
+                    else:  # batch 1: every push is one draft-and-verify round, the first one included
+                        rounds, round_tokens, drafted = timeline.steps, len(tokens), drafts.calls - drafted_before
+                    rows.append(RowResult(
+                        tokens, timeline.first[b], timeline.finish[b], rounds=rounds, round_tokens=round_tokens,
+                        drafted=drafted, accepted=round_tokens - rounds if assistant is not None else 0,
+                    ))
+                bar.update(len(batch))
+            wall = time.perf_counter() - start
+    finally:
+        if hook is not None:
+            hook.remove()
+    return rows, Timing(wall, prefill)
+
+
+# ---- the whole bench --------------------------------------------------------------------------
+def run_method(
+    models: ModelPair,
+    spec: MethodSpec,
+    prompts: list[BenchPrompt],
+    parts: dict[str, list[int]],
+    settings: BenchSettings,
+    stop_ids: Sequence[int],
+    oracle: Oracle,
+    classify: Classifier,
+) -> MethodResult:
+    """Run `spec` over each part (all prompts, or one task group at a time) and compare every
+    row with the oracle. Any failure becomes the method's error row: one method that cannot run
+    (e.g. one still being built) must not cost the figures of the others."""
+    result = MethodResult(spec)
+    rows: dict[int, RowResult] = {}
+    try:
+        for label, indices in parts.items():
+            chosen = [prompts[i] for i in indices]
+            desc = spec.name if label == ALL else f"{spec.name} {label}"
+            if spec.is_baseline:
+                part_rows, timing = run_hf(models, spec, chosen, settings, stop_ids, desc)
+            else:
+                part_rows, timing = run_engine(models, spec, chosen, settings, desc)
+            rows.update(zip(indices, part_rows))
+            result.timings[label] = timing
+    except Exception as err:  # noqa: BLE001 - reported as this method's error row
+        result.error = f"{type(err).__name__}: {err}".splitlines()[0]
+        result.timings.clear()
+        return result
+    result.rows = [rows[i] for i in range(len(prompts))]
+    for prompt, row in zip(prompts, result.rows):
+        if row.error is not None:
+            result.matches.append(None)
+            result.labels.append(None)
+            continue
+        reference = oracle(prompt.token_ids)
+        match = compare(row.token_ids, reference)
+        result.matches.append(match)
+        label = None if match.exact else classify(prompt.token_ids, row.token_ids, reference)
+        result.labels.append(label)
+    return result

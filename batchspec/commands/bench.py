@@ -1,0 +1,147 @@
+"""`batchspec bench`: methods side by side on the same prompts and models, in one process.
+
+Prints speed (end-to-end and decode-only tokens/s, prefill and decode time, where the time went),
+speculation (accepted length, acceptance rate), latency percentiles and exactness against plain
+greedy decoding, per method and per task group; optionally JSON, CSV and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..bench.exactness import AuditClassifier, Oracle
+from ..bench.methods import DEFAULT_METHODS, parse_batch_sizes, parse_methods
+from ..bench.plots import write_plots
+from ..bench.report import NOISE_NOTE, build_report, machine_info, render_tables, write_csv
+from ..bench.runner import ALL, BenchSettings, run_method, warm_up
+from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
+from ..config import BatchspecError
+from ..models import ModelPair, context_limit, encode_prompt, eos_token_ids
+from .common import add_model_arguments, load_models
+
+DEFAULT_NUM_PROMPTS = 12  # two per SpecBench task group: a quick look, not the protocol
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompts", help=f"JSONL (`prompt` or SpecBench `turns`, optional `category`) or text file "
+                   f"(default: SpecBench, {DEFAULT_NUM_PROMPTS} prompts spread over its 6 task groups)")
+    g.add_argument("--suite", choices=["specbench"], help="SpecBench protocol: all 480 prompts (or the stratified "
+                   "subset chosen by --num-prompts/--per-category), each task group measured as its own run")
+    g.add_argument("--num-prompts", type=int, help="this many prompts, spread evenly across task groups")
+    g.add_argument("--per-category", type=int, help="this many prompts from every task group")
+    g.add_argument("--max-prompt-tokens", type=int, help="skip prompts longer than this many tokens (before selecting)")
+    g = p.add_argument_group("methods")
+    g.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated method[+scheduler][@batch]: ar, eqspec, "
+                   "ragged, exspec, hf (transformers generate, batched greedy), hf-assisted (generate with the "
+                   "drafter, batch 1 only), and the deliberately wrong naive-kv, naive-positions, naive-bonus; "
+                   "e.g. ar@1,ar@4,eqspec@4,ragged@4,ragged+continuous@4,hf@4,hf-assisted@1. "
+                   f"Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base). "
+                   f"Default: {DEFAULT_METHODS}")
+    g.add_argument("--batch-sizes", default="4", help="comma-separated batch sizes for methods given without @batch")
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=5)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window")
+    g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", help="write every figure and the machine description here")
+    g.add_argument("--csv", help="write one line per method (and per method and task group) here")
+    g.add_argument("--plots", help="write PNG plots into this folder")
+    add_model_arguments(p)
+
+
+def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[BenchPrompt], dict]:
+    if args.suite and args.prompts:
+        raise BatchspecError("--suite specbench uses SpecBench's own file; drop --prompts")
+    path = Path(args.prompts) if args.prompts else SPECBENCH_FILE
+    count = args.num_prompts
+    if count is None and args.per_category is None and not args.suite and not args.prompts:
+        count = DEFAULT_NUM_PROMPTS
+    # prompts that could not be decoded to the full budget within the context are skipped for
+    # every method alike, so all methods always see the same prompts
+    limits = [context_limit(m) for m in (models.target, models.draft) if m is not None]
+    limits = [x - args.max_new_tokens for x in limits if x is not None]
+    if args.max_prompt_tokens is not None:
+        limits.append(args.max_prompt_tokens)
+    chat = not args.no_chat_template
+    candidates, skipped = encode_prompts(
+        path, lambda text: encode_prompt(models.tokenizer, text, chat), min(limits) if limits else None
+    )
+    chosen = select(candidates, count, args.per_category)
+    if not chosen:
+        raise BatchspecError(f"no usable prompts in {path} (skipped: {skipped or 'none'})")
+    groups = {str(g): sum(1 for p in chosen if p.group == g) for g in group_order(chosen)}
+    lengths = [len(p.token_ids) for p in chosen]
+    info = {
+        "file": str(path), "count": len(chosen), "available": len(candidates), "skipped": skipped,
+        "groups": groups if group_order(chosen) != [None] else None,
+        "prompt_tokens": {"mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
+        "chat_template": chat,
+    }
+    return chosen, info
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes))
+    if args.max_new_tokens < 1:
+        raise BatchspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.num_draft_tokens < 1 and any(s.speculative for s in specs):
+        raise BatchspecError(f"--num-draft-tokens must be >= 1 for speculative methods, got {args.num_draft_tokens}")
+    models = load_models(args, need_draft=any(s.speculative for s in specs))
+    prompts, prompt_info = _choose_prompts(args, models)
+    stop_ids = eos_token_ids(models.target, models.tokenizer)
+    settings = BenchSettings(args.max_new_tokens, args.num_draft_tokens, args.window_size, args.sort_by_length)
+    by_group = bool(args.suite) and prompt_info["groups"] is not None
+    parts = (
+        {str(g): [i for i, p in enumerate(prompts) if p.group == g] for g in group_order(prompts)}
+        if by_group else {ALL: list(range(len(prompts)))}
+    )
+
+    warm_up(models, prompts[0].token_ids)
+    oracle = Oracle(models.target, settings.params, stop_ids)
+    for p in tqdm(prompts, desc="oracle (plain greedy, batch 1)", unit="prompt", file=sys.stderr, leave=False):
+        oracle(p.token_ids)
+    classify = AuditClassifier(models, oracle, [p.token_ids for p in prompts])
+    results = [run_method(models, s, prompts, parts, settings, stop_ids, oracle, classify) for s in specs]
+
+    entries = build_report(results, prompts)
+    machine = machine_info(args.dtype, args.draft_dtype, args.device)
+    title = (f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, K {args.num_draft_tokens}, "
+             f"{args.dtype} on {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads)")
+    groups = ", ".join(f"{g} {n}" for g, n in (prompt_info["groups"] or {}).items())
+    print(f"batchspec bench: {title}")
+    print(f"prompts: {prompt_info['file']}{f' ({groups})' if groups else ''}; "
+          f"mean {prompt_info['prompt_tokens']['mean']} tokens; "
+          f"{'one run per task group' if by_group else 'all prompts in one run'}")
+    print(f"torch {machine['torch']}, transformers {machine['transformers']}\n")
+    print(render_tables(entries))
+    print(f"\n{NOISE_NOTE}")
+
+    if args.json:
+        report = {
+            "machine": machine,
+            "settings": {
+                "target": args.target or "bundled", "draft": args.draft or "bundled",
+                "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+                "methods": [s.name for s in specs], "suite": args.suite,
+                "runs": "per task group" if by_group else "all prompts at once",
+                "window_size": args.window_size, "sort_by_length": args.sort_by_length,
+                "hf_assisted": "constant schedule of num_draft_tokens drafts per round, no confidence cut-off",
+            },
+            "prompts": prompt_info,
+            "auditor": classify.describe(),
+            "note": NOISE_NOTE,
+            "methods": entries,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if args.csv:
+        write_csv(args.csv, entries)
+    if args.plots:
+        write_plots(args.plots, entries, f"batchspec bench: {title}")
+    return 0

@@ -1,0 +1,155 @@
+"""`batchspec bench` end to end on the tiny pair, and its pieces (SpecBench selection, method
+specs, oracle comparison). Figures are only checked for presence and exactness, never for speed:
+timings on a shared CPU prove nothing."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from tinyworld import WORDS
+
+from batchspec.bench.exactness import Match, compare
+from batchspec.bench.methods import MethodSpec, parse_batch_sizes, parse_methods
+from batchspec.bench.runner import ALL, BenchSettings, run_method
+from batchspec.bench.specbench import MT_BENCH_CATEGORIES, SPECBENCH_FILE, TASK_GROUPS, encode_prompts, select
+from batchspec.cli import main
+from batchspec.config import BatchspecError
+from batchspec.models import load_pair
+
+METHODS = ["ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2", "hf@2", "hf-assisted@1", "naive-kv@2"]
+
+
+def _prompts_file(path: Path) -> Path:
+    """Four prompts in three categories, made of the tiny tokenizer's words (no <unk>)."""
+    lines = []
+    for i, category in enumerate(["writing", "roleplay", "qa", "translation"]):
+        words = [WORDS[(7 * i + 3 * j) % len(WORDS)] for j in range(4 + 2 * i)]
+        lines.append(json.dumps({"id": f"p{i}", "category": category, "prompt": " ".join(words)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
+    target, draft = tiny_pair_dirs
+    prompts = _prompts_file(tmp_path / "prompts.jsonl")
+    report_path, csv_path, plots = tmp_path / "report.json", tmp_path / "report.csv", tmp_path / "plots"
+    assert main([
+        "bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+        "--methods", ",".join(METHODS), "--max-new-tokens", "8", "-k", "3",
+        "--json", str(report_path), "--csv", str(csv_path), "--plots", str(plots),
+    ]) == 0
+    stdout = capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    assert {"cpu", "cores", "torch", "transformers", "dtype", "device"} <= report["machine"].keys()
+    assert report["prompts"]["count"] == 4
+    assert report["prompts"]["groups"] == {"mt_bench": 2, "qa": 1, "translation": 1}
+    by_name = {m["method"]: m for m in report["methods"]}
+    assert list(by_name) == METHODS
+    for name, m in by_name.items():
+        assert m["error"] is None, name
+        assert m["prompts"] == 4 and m["errors"] == 0 and m["generated_tokens"] > 0
+        for key in ("tokens_per_s", "decode_tokens_per_s", "prefill_s", "decode_s", "speedup", "mean_accepted_length"):
+            assert m[key] is not None and m[key] > 0, (name, key)
+        assert {"p50", "p90", "p99"} == m["latency_s"].keys() == m["ttft_s"].keys()
+        assert m["latency_s"]["p99"] >= m["latency_s"]["p50"] > 0
+        assert set(m["groups"]) == {"mt_bench", "qa", "translation"}
+        assert m["sync_errors"] is None or isinstance(m["sync_errors"], int)
+        if name.startswith("hf"):
+            assert m["time_share"] is None  # no engine, no phase breakdown
+        else:
+            assert m["time_share"].keys() == {"prefill", "draft", "verify", "other"}
+            assert sum(m["time_share"].values()) == pytest.approx(1.0, abs=1e-3)
+    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2"):
+        assert by_name[name]["exact_match"] == 1.0, (name, by_name[name]["divergences"])
+        assert by_name[name]["divergent"] == by_name[name]["sync_errors"] == 0
+    # the deliberately wrong method: fast maybe, but the audit calls its divergences what they are
+    wrong = by_name["naive-kv@2"]
+    assert wrong["exact_match"] < 1 and wrong["sync_errors"] > 0
+    assert {d["label"] for d in wrong["divergences"]} <= {"sync-error", "fp-tie", "length"}
+    assert report["auditor"]["name"] == "batchspec.forensics.audit" and report["auditor"]["calibration"]["margin"] >= 0
+    for name in ("eqspec@2", "ragged@2", "hf-assisted@1"):
+        assert 0 < by_name[name]["acceptance_rate"] <= 1
+        assert by_name[name]["mean_accepted_length"] >= 1
+    assert by_name["ar@1"]["speedup"] == 1.0
+    assert by_name["ar@2"]["acceptance_rate"] is None and by_name["ar@2"]["mean_accepted_length"] == 1.0
+
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == len(METHODS) * 4  # overall + three groups each
+    assert {r["group"] for r in rows} == {ALL, "mt_bench", "qa", "translation"}
+    for png in ("throughput_vs_batch.png", "fast_but_wrong.png", "time_breakdown.png"):
+        assert (plots / png).stat().st_size > 1000
+    for name in METHODS:
+        assert name in stdout
+    assert "side-by-side" in stdout
+
+
+def test_failing_method_becomes_an_error_row(tiny_pair_dirs, monkeypatch) -> None:
+    """A method the engine cannot run (exspec while it is being built) must not take the others down."""
+    import batchspec.bench.runner as runner
+    from batchspec.bench.exactness import Oracle
+    from batchspec.bench.specbench import BenchPrompt
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("pool scheduler\nsecond line")
+
+    monkeypatch.setattr(runner, "run_engine", refuse)
+    models = load_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]))
+    prompts = [BenchPrompt("0", "the a", None, None, (5, 6))]
+    settings = BenchSettings(max_new_tokens=4, num_draft_tokens=2)
+    result = run_method(models, MethodSpec("exspec", 2), prompts, {ALL: [0]}, settings, (1,),
+                        Oracle(models.target, settings.params, (1,)), lambda *row: "sync-error")
+    assert result.error == "NotImplementedError: pool scheduler"
+    assert result.rows == [] and result.timings == {}
+
+
+def test_parse_methods() -> None:
+    specs = parse_methods("ragged+continuous@4, eqspec, exspec@4, hf, hf-assisted", [2, 4])
+    assert [s.name for s in specs] == [
+        "ar@1", "ragged+continuous@4", "eqspec@2", "eqspec@4", "exspec@4", "hf@2", "hf@4", "hf-assisted@1",
+    ]
+    assert specs[1] == MethodSpec("ragged", 4, "continuous")
+    assert [s.name for s in parse_methods("ar@1,ar@1,ragged@2", [4])] == ["ar@1", "ragged@2"]
+    assert parse_batch_sizes("1, 2,2,8") == [1, 2, 8]
+    for bad in ("hf-assisted@2", "eqspec+continuous@4", "nope@2", "ragged@x", "ragged@0", "hf+continuous@2", ""):
+        with pytest.raises(BatchspecError):
+            parse_methods(bad, [4])
+    with pytest.raises(BatchspecError):
+        parse_batch_sizes("1,zero")
+
+
+def test_compare_with_oracle() -> None:
+    assert compare([1, 2, 3], [1, 2, 3]) == Match(True, 1.0, None)
+    assert compare([1, 9, 3], [1, 2, 3, 4]) == Match(False, 0.25, 1)
+    assert compare([1, 2], [1, 2, 3, 4]) == Match(False, 0.5, 2)  # stopped early
+
+
+@pytest.mark.skipif(not SPECBENCH_FILE.is_file(), reason="SpecBench file not present")
+def test_specbench_stratification() -> None:
+    prompts, skipped = encode_prompts(SPECBENCH_FILE, lambda text: text.split())
+    assert len(prompts) == 480 and skipped == {}
+    counts = {g: sum(p.group == g for p in prompts) for g in TASK_GROUPS}
+    assert counts == dict.fromkeys(TASK_GROUPS, 80)
+
+    everything = select(prompts)  # group by group, categories interleaved within a group
+    assert sorted(everything, key=lambda p: p.id) == sorted(prompts, key=lambda p: p.id)
+    assert [p.group for p in everything] == [g for g in TASK_GROUPS for _ in range(80)]
+    assert [p.category for p in everything[:8]] == list(MT_BENCH_CATEGORIES)
+    per = select(prompts, per_group=8)
+    assert len(per) == 48
+    assert {p.category for p in per if p.group == "mt_bench"} == set(MT_BENCH_CATEGORIES)  # round-robin
+    spread = select(prompts, num_prompts=8)
+    assert [sum(p.group == g for p in spread) for g in TASK_GROUPS] == [2, 2, 1, 1, 1, 1]
+    assert select(prompts, num_prompts=10_000) == select(prompts)
+    assert len(select(prompts, per_group=500)) == 480
+
+    # a length cap applies before selection, so a group still fills its quota from short prompts
+    short, skipped = encode_prompts(SPECBENCH_FILE, lambda text: text.split(), max_tokens=60)
+    assert sum(skipped.values()) == 480 - len(short) > 0
+    assert all(len(p.token_ids) <= 60 for p in select(short, per_group=5))
+    with pytest.raises(BatchspecError):
+        select(prompts, num_prompts=2, per_group=2)
+    with pytest.raises(BatchspecError):
+        select(prompts, num_prompts=0)

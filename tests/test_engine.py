@@ -1,0 +1,230 @@
+"""Every method, layout and scheduler must reproduce plain batch-1 greedy decoding token for token."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from tinyworld import VOCAB_SIZE, ScriptedDrafter, perturbed_copy, random_prompts
+
+from batchspec.config import BatchspecError, SamplingParams, SpecConfig
+from batchspec.engine import Engine
+from batchspec.forensics.invariants import InvariantError
+from batchspec.layouts import PaddedLayout, RaggedLayout
+from batchspec.models import tiny_model
+from batchspec.reference import greedy_decode
+
+ARCHS = ["llama", "qwen2", "gpt2"]
+
+
+@functools.cache
+def target(arch: str) -> torch.nn.Module:
+    return tiny_model(arch, vocab_size=VOCAB_SIZE, seed=0)
+
+
+@functools.cache
+def drafter(arch: str) -> torch.nn.Module:
+    return perturbed_copy(target(arch), noise=0.02, seed=1)
+
+
+@functools.cache
+def oracle(arch: str, prompt: tuple[int, ...], max_new: int, stop: tuple[int, ...] = ()) -> list[int]:
+    return greedy_decode(target(arch), list(prompt), max_new, stop)
+
+
+def assert_matches_oracle(arch, prompts, outputs, max_new, stop=()):
+    for prompt, seq in zip(prompts, outputs):
+        assert seq.generated == oracle(arch, tuple(prompt), max_new, tuple(stop)), f"prompt {seq.index} diverged"
+
+
+def test_oracle_matches_transformers_generate():
+    """The oracle itself: our batch-1 loop equals transformers' own greedy generate."""
+    model = target("llama")
+    for prompt in random_prompts(3, [1, 6, 13], seed=5):
+        ids = torch.tensor([prompt])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert greedy_decode(model, prompt, 12) == hf
+
+
+@settings(max_examples=40)
+@given(
+    arch=st.sampled_from(ARCHS),
+    method=st.sampled_from(["ragged", "eqspec", "ar"]),
+    continuous=st.booleans(),
+    batch_size=st.integers(1, 8),
+    k=st.integers(1, 6),
+    lengths=st.lists(st.integers(1, 24), min_size=2, max_size=10),
+    max_new=st.integers(1, 24),
+    seed=st.integers(0, 10_000),
+    use_stop=st.booleans(),
+)
+def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, k, lengths, max_new, seed, use_stop):
+    prompts = random_prompts(len(lengths), lengths, seed)
+    stop: tuple[int, ...] = ()
+    if use_stop:  # a token the target really emits mid-continuation, so rows stop at different rounds
+        stop = (oracle(arch, tuple(prompts[0]), max_new)[max_new // 2],)
+    scheduler = "continuous" if continuous and method != "eqspec" else "static"
+    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler)
+    engine = Engine(target(arch), spec, stop, draft_model=drafter(arch))
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
+    assert_matches_oracle(arch, prompts, outputs, max_new, stop)
+    for seq in outputs:
+        assert len(seq.generated) <= max_new
+        assert all(t not in stop for t in seq.generated[:-1])
+
+
+@settings(max_examples=20)
+@given(
+    arch=st.sampled_from(ARCHS),
+    method=st.sampled_from(["ragged", "eqspec"]),
+    batch_size=st.integers(1, 8),
+    k=st.integers(1, 6),
+    lengths=st.lists(st.integers(1, 16), min_size=1, max_size=8),
+    p_right=st.one_of(st.sampled_from([0.0, 1.0]), st.lists(st.floats(0, 1), min_size=1, max_size=8)),
+    seed=st.integers(0, 10_000),
+)
+def test_rigged_acceptance_matches_oracle(arch, method, batch_size, k, lengths, p_right, seed):
+    """Drafters right with a controlled per-row probability, always wrong or always right."""
+    max_new = 16
+    prompts = random_prompts(len(lengths), lengths, seed)
+    truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
+    rigged = ScriptedDrafter(truth, p_right, VOCAB_SIZE, seed=seed)
+    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, check_invariants=True)
+    engine = Engine(target(arch), spec, drafter=rigged)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
+    assert_matches_oracle(arch, prompts, outputs, max_new)
+    if p_right == 1.0:
+        assert engine.stats.accepted == engine.stats.drafted > 0 or max_new <= 1
+    if p_right == 0.0:
+        assert engine.stats.accepted == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+def test_mixed_batch_matches_oracle(arch, method):
+    """A fixed, deliberately ragged case per architecture: many rows, mixed prompt lengths
+    (including 1), partial acceptance, rows finishing at different rounds."""
+    prompts = random_prompts(7, [1, 9, 5, 14, 2, 6, 11], seed=11)
+    params = [SamplingParams(max_new_tokens=n) for n in (20, 7, 20, 13, 20, 3, 17)]
+    engine = Engine(target(arch), SpecConfig(method=method, num_draft_tokens=4, batch_size=4), draft_model=drafter(arch))
+    outputs = engine.generate(prompts, params)
+    for p, sp, seq in zip(prompts, params, outputs):
+        assert seq.generated == oracle(arch, tuple(p), sp.max_new_tokens)
+    assert 0 < engine.stats.accepted < engine.stats.drafted  # acceptance really was ragged
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+def test_stop_token_inside_accepted_drafts(method):
+    """An always-right drafter proposes the stop token mid-draft: output ends right at it."""
+    arch, max_new = "llama", 20
+    prompts = random_prompts(4, [3, 9, 5, 12], seed=11)
+    plain = oracle(arch, tuple(prompts[0]), max_new)
+    stop = (plain[5],)
+    truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
+    engine = Engine(target(arch), SpecConfig(method=method, num_draft_tokens=6, batch_size=4), stop,
+                    drafter=ScriptedDrafter(truth, 1.0, VOCAB_SIZE))
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
+    assert_matches_oracle(arch, prompts, outputs, max_new, stop)
+    first = outputs[0]
+    assert first.finish_reason == "stop" and first.generated[-1] == stop[0]
+    assert first.generated.index(stop[0]) == len(first.generated) - 1
+    assert first.rounds == 1  # the stop token came inside the first round's accepted drafts
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+def test_invariant_checks_pass_on_real_runs(method):
+    prompts = random_prompts(5, [1, 4, 17, 8, 2], seed=3)
+    spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=3, check_invariants=True)
+    outputs = Engine(target("qwen2"), spec, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=12))
+    assert_matches_oracle("qwen2", prompts, outputs, 12)
+
+
+def test_invariant_checker_catches_kept_rejected_drafts(monkeypatch):
+    """A ragged layout that forgets to roll back rejected drafts is caught, with row and round."""
+    monkeypatch.setattr(RaggedLayout, "commit", lambda self, lengths: None)
+    spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=2, check_invariants=True)
+    engine = Engine(target("llama"), spec, draft_model=drafter("llama"))
+    with pytest.raises(InvariantError, match=r"target: row \d+, round 1: committed length"):
+        engine.generate(random_prompts(2, [5, 7], seed=1), SamplingParams(max_new_tokens=10))
+
+
+def test_invariant_checker_catches_skipped_realignment(monkeypatch):
+    """A padded layout that updates its bookkeeping but never moves K/V is caught by the K/V check."""
+
+    def commit_without_moving(self, lengths):
+        width = int(lengths.max())
+        self.pads, self.lengths, self.width = width - lengths, lengths, width
+
+    monkeypatch.setattr(PaddedLayout, "commit", commit_without_moving)
+    spec = SpecConfig(method="eqspec", num_draft_tokens=4, batch_size=3, check_invariants=True)
+    engine = Engine(target("llama"), spec, draft_model=drafter("llama"))
+    with pytest.raises(InvariantError, match="differ from a fresh forward"):
+        engine.generate(random_prompts(3, [5, 9, 2], seed=2), SamplingParams(max_new_tokens=16))
+
+
+def test_finished_rows_stop_costing_compute(monkeypatch):
+    rows_per_forward: list[int] = []
+    original = RaggedLayout.forward
+
+    def spy(self, tokens, last_only=False):
+        if self.model is target("llama"):
+            rows_per_forward.append(tokens.shape[0])
+        return original(self, tokens, last_only)
+
+    monkeypatch.setattr(RaggedLayout, "forward", spy)
+    prompts = random_prompts(3, [4, 6, 5], seed=9)
+    params = [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=3)]
+    Engine(target("llama"), SpecConfig(num_draft_tokens=2, batch_size=3), draft_model=drafter("llama")).generate(prompts, params)
+    assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 1
+
+
+def test_continuous_batching_answers_a_long_queue_in_order():
+    """Many more prompts than slots, slots reused many times; each output belongs to its prompt."""
+    prompts = random_prompts(23, [2, 9, 4, 15, 1, 7], seed=21)
+    params = [SamplingParams(max_new_tokens=3 + (i * 7) % 13) for i in range(len(prompts))]
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, scheduler="continuous", check_invariants=True)
+    outputs = Engine(target("gpt2"), spec, draft_model=drafter("gpt2")).generate(prompts, params)
+    assert [s.index for s in outputs] == list(range(len(prompts)))
+    for p, sp, seq in zip(prompts, params, outputs):
+        assert seq.prompt_ids == p
+        assert seq.generated == oracle("gpt2", tuple(p), sp.max_new_tokens)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="ragged", num_draft_tokens=0), "num_draft_tokens must be >= 1"),
+        (dict(batch_size=0), "batch_size must be >= 1"),
+        (dict(method="medusa"), "unknown method"),
+        (dict(method="eqspec", scheduler="continuous"), "continuous scheduler needs per-row cursors"),
+    ],
+)
+def test_bad_spec_is_one_clear_error(kwargs, message):
+    with pytest.raises(BatchspecError, match=message):
+        SpecConfig(**kwargs)
+
+
+def test_bad_sampling_params_are_clear_errors():
+    with pytest.raises(BatchspecError, match="max_new_tokens must be >= 1"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(BatchspecError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def test_engine_rejects_empty_and_overlong_prompts():
+    engine = Engine(target("gpt2"), SpecConfig(num_draft_tokens=2), draft_model=drafter("gpt2"))
+    with pytest.raises(BatchspecError, match="empty prompt"):
+        engine.generate([[]], SamplingParams(max_new_tokens=4))
+    with pytest.raises(BatchspecError, match="exceeds the model's context of 512"):
+        engine.generate([[5] * 510], SamplingParams(max_new_tokens=4))
+
+
+def test_near_context_end_drafts_do_not_overflow_absolute_positions():
+    """GPT-2 has 512 learned positions: drafts past max_new_tokens must not index beyond them."""
+    prompt = random_prompts(1, [500], seed=4)[0]
+    engine = Engine(target("gpt2"), SpecConfig(num_draft_tokens=6, batch_size=1), draft_model=drafter("gpt2"))
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=12))
+    assert out[0].generated == oracle("gpt2", tuple(prompt), 12)
