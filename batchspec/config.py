@@ -13,6 +13,9 @@ class BatchspecError(Exception):
 
 
 METHODS = ("ar", "eqspec", "ragged", "exspec")
+# Deliberately wrong methods (batchspec.forensics.broken), one published failure mode each; opt-in,
+# for showing what the audit catches. Never use them for output.
+BROKEN_METHODS = ("naive-kv", "naive-positions", "naive-bonus")
 SCHEDULERS = ("static", "continuous")
 
 
@@ -34,8 +37,11 @@ class SpecConfig:
     sort_by_length: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise BatchspecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.method not in METHODS + BROKEN_METHODS:
+            raise BatchspecError(
+                f"unknown method {self.method!r}; choose one of {', '.join(METHODS)} "
+                f"(deliberately wrong, for audits: {', '.join(BROKEN_METHODS)})"
+            )
         if self.scheduler not in SCHEDULERS:
             raise BatchspecError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.method != "ar" and self.num_draft_tokens < 1:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import acceptance
+from . import sampling
 from .config import BatchspecError, SamplingParams, SpecConfig
-from .drafters import Draft, Drafter, ModelDrafter, Picker, pick_argmax
+from .drafters import Draft, Drafter, ModelDrafter, Picker
 from .forensics.invariants import check_layout
 from .kv import check_supported, context_limit
 from .layouts import METHOD_LAYOUT, Layout, make_layout
@@ -66,6 +66,7 @@ class Engine:
         stop_ids: Iterable[int] = (),
         draft_model: torch.nn.Module | None = None,
         drafter: Drafter | None = None,
+        seed: int | None = None,
     ) -> None:
         check_supported(target)
         if spec.speculative and draft_model is None and drafter is None:
@@ -79,6 +80,11 @@ class Engine:
         self.stop_ids = frozenset(stop_ids)
         self.layout_kind = METHOD_LAYOUT[spec.method]
         self.stats = EngineStats()
+        # Unseeded sampled rows draw from this generator (`seed` makes runs repeatable); seeded rows
+        # use noise keyed by (request seed, position), cached here for about two rounds of every row.
+        self.randomness = sampling.Randomness(
+            seed, next(target.parameters()).device, cache_entries=2 * spec.batch_size * (spec.num_draft_tokens + 1)
+        )
         limits = [context_limit(m) for m in (target, self.draft_model) if m is not None]
         self.limit = min((x for x in limits if x is not None), default=None)
 
@@ -102,13 +108,17 @@ class Engine:
         if not seqs:
             return
         k = self.spec.num_draft_tokens if self.spec.speculative else 0
-        capacity = max(len(p) for p in prompts) + max(sp.max_new_tokens for sp in per_request) + k + 1
+        self._setup(max(len(p) for p in prompts) + max(sp.max_new_tokens for sp in per_request) + k + 1)
+        yield from self._loop(seqs)
+
+    def _setup(self, capacity: int) -> None:
+        """Allocate the layouts for this run: `capacity` slots per row covers the longest prompt,
+        max_new_tokens and one round of drafts in flight."""
         rows = self.spec.batch_size
         self.target_layout = make_layout(self.layout_kind, self.target, rows, capacity)
         self.drafter = self.custom_drafter
         if self.draft_model is not None:
             self.drafter = ModelDrafter(make_layout(self.layout_kind, self.draft_model, rows, capacity))
-        yield from self._loop(seqs)
 
     # ---- the loop -----------------------------------------------------------------------------
     def _loop(self, seqs: list[Sequence]) -> Iterator[Sequence]:
@@ -117,7 +127,7 @@ class Engine:
         while waiting or active:
             admitted = self._schedule(waiting, active)
             if admitted:
-                self._admit(admitted)
+                self._admit(admitted, self.target_layout, self.drafter)
                 active.extend(admitted)
             yield from self._retire(active)
             if active:
@@ -132,15 +142,15 @@ class Engine:
         free = self.spec.batch_size - len(active)
         return [waiting.popleft() for _ in range(min(free, len(waiting)))]
 
-    def _admit(self, seqs: list[Sequence]) -> None:
+    def _admit(self, seqs: list[Sequence], layout: Layout, drafter: Drafter | None) -> None:
         """Prefill new rows (target and drafter); the target's prefill yields each first token."""
         start = _clock(self.target)
-        logits = self.target_layout.prefill([s.prompt_ids for s in seqs])
+        logits = layout.prefill([s.prompt_ids for s in seqs])
         first = self._pick_first(logits, seqs).tolist()
         for s, token in zip(seqs, first):
             s.extend([token])
-        if self.drafter is not None:
-            self.drafter.add(seqs)
+        if drafter is not None:
+            drafter.add(seqs)
         self.stats.prefill_time += _clock(self.target) - start
 
     def _round(self, active: list[Sequence]) -> None:
@@ -166,7 +176,7 @@ class Engine:
             self.stats.drafted += k
             self.stats.accepted += min(n - 1, taken)
             self.stats.generated += taken
-        self.target_layout.commit(torch.tensor([s.length - 1 for s in active], dtype=torch.long, device=device))
+        self._commit(active)
         self.stats.rounds += 1
         if self.spec.check_invariants:
             self._check(active)
@@ -175,20 +185,25 @@ class Engine:
         self.stats.verify_time += t2 - t1
         self.stats.other_time += t3 - t2
 
+    def _commit(self, active: list[Sequence]) -> None:
+        """Keep the target K/V of every token but the last (it is fed first next round)."""
+        lengths = [s.length - 1 for s in active]
+        self.target_layout.commit(torch.tensor(lengths, dtype=torch.long, device=self.target_layout.device))
+
     # ---- token choice: the only place that knows about decoding rules ----------------------------
     def _pick_first(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The first generated token of each new row, from the target's prefill logits [b, vocab]."""
-        return logits.argmax(dim=-1)
+        return sampling.choose_tokens(logits, seqs, 0, self.randomness)
 
     def _draft_picker(self, seqs: list[Sequence]) -> Picker:
         """How the drafter turns its logits into draft tokens this round."""
-        return pick_argmax
+        return sampling.draft_picker(seqs, self.randomness)
 
     def _accept(
         self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]]."""
-        return acceptance.greedy(draft.tokens, logits)
+        return sampling.accept_round(draft, logits, seqs, self.randomness)
 
     def _retire(self, active: list[Sequence]) -> list[Sequence]:
         keep = [not s.finished for s in active]

@@ -127,6 +127,24 @@ class SlotStore:
         )
         self.data[:, :, :rows, :, :new_len] = torch.gather(src, 4, idx)
 
+    @torch.inference_mode()
+    def copy_rows(self, src: SlotStore, src_rows: torch.Tensor, dst_rows: torch.Tensor, slot_map: torch.Tensor) -> None:
+        """Slot j of row dst_rows[b] <- slot slot_map[b, j] of row src_rows[b] in `src`, for j in
+        [0, slot_map.shape[1]): moves rows between two stores (of the same model) in one gather."""
+        if src.data is None:
+            return
+        if self.data is None:
+            self.data = torch.zeros_like(src.data[:, :, :1]).expand(
+                -1, -1, self.max_rows, -1, self.capacity, -1
+            ).contiguous()
+        width = slot_map.shape[1]
+        span = int(slot_map.max()) + 1
+        picked = src.data[:, :, :, :, :span].index_select(2, src_rows)
+        idx = slot_map[None, None, :, None, :, None].expand(
+            picked.shape[0], picked.shape[1], -1, picked.shape[3], -1, picked.shape[5]
+        )
+        self.data[:, :, dst_rows, :, :width] = torch.gather(picked, 4, idx)
+
     def row_kv(self, row: int, start: int, length: int) -> torch.Tensor:
         """K/V of one row's slots [start, start+length): [layers, 2, heads, length, dim]."""
         assert self.data is not None

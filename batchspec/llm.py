@@ -9,11 +9,16 @@ A batch loses nothing: every prompt comes back, in input order, with either an o
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterable, Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from .config import BatchspecError, SamplingParams, SpecConfig
+from .drafters import Drafter
 from .engine import Engine, EngineStats, validate_prompt
+from .exspec import ExspecEngine
+from .forensics import broken
 from .models import ModelPair, encode_prompt, eos_token_ids, load_pair
 from .sequence import Sequence
 
@@ -42,6 +47,20 @@ class RequestOutput:
 Prompt = str | list[int]
 
 
+def build_engine(
+    target: torch.nn.Module,
+    spec: SpecConfig,
+    stop_ids: Iterable[int] = (),
+    draft_model: torch.nn.Module | None = None,
+    drafter: Drafter | None = None,
+    seed: int | None = None,
+) -> Engine:
+    """The engine for `spec.method`: EXSPEC schedules from a pool; the deliberately wrong methods
+    (opt-in, for audits) come from forensics.broken; everything else is the plain round loop."""
+    engine_class = ExspecEngine if spec.method == "exspec" else broken.ENGINES.get(spec.method, Engine)
+    return engine_class(target, spec, stop_ids, draft_model=draft_model, drafter=drafter, seed=seed)
+
+
 class LLM:
     """A target (and drafter) plus a decoding method. Prompts may be text or token ids."""
 
@@ -55,17 +74,21 @@ class LLM:
         device: str = "cpu",
         chat_template: bool = True,
         models: ModelPair | None = None,
+        seed: int | None = None,
     ) -> None:
+        """`seed` makes unseeded sampled requests (rejection sampling) repeatable run to run;
+        requests with their own `SamplingParams.seed` are reproducible regardless."""
         self.spec = spec or SpecConfig()
         self.models = models or load_pair(
             target, draft, dtype=dtype, draft_dtype=draft_dtype, device=device, need_draft=self.spec.speculative
         )
         self.chat_template = chat_template
+        self.seed = seed
         self.stop_ids = eos_token_ids(self.models.target, self.models.tokenizer)
         self.stats = EngineStats()
 
     def make_engine(self) -> Engine:
-        return Engine(self.models.target, self.spec, self.stop_ids, draft_model=self.models.draft)
+        return build_engine(self.models.target, self.spec, self.stop_ids, draft_model=self.models.draft, seed=self.seed)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -11,6 +11,7 @@ from tinyworld import VOCAB_SIZE, ScriptedDrafter, perturbed_copy, random_prompt
 
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.engine import Engine
+from batchspec.llm import build_engine
 from batchspec.forensics.invariants import InvariantError
 from batchspec.layouts import PaddedLayout, RaggedLayout
 from batchspec.models import tiny_model
@@ -52,23 +53,25 @@ def test_oracle_matches_transformers_generate():
 @settings(max_examples=40)
 @given(
     arch=st.sampled_from(ARCHS),
-    method=st.sampled_from(["ragged", "eqspec", "ar"]),
+    method=st.sampled_from(["ragged", "eqspec", "exspec", "ar"]),
     continuous=st.booleans(),
     batch_size=st.integers(1, 8),
+    extra_window=st.integers(0, 6),
     k=st.integers(1, 6),
     lengths=st.lists(st.integers(1, 24), min_size=2, max_size=10),
     max_new=st.integers(1, 24),
     seed=st.integers(0, 10_000),
     use_stop=st.booleans(),
 )
-def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, k, lengths, max_new, seed, use_stop):
+def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, extra_window, k, lengths, max_new, seed, use_stop):
     prompts = random_prompts(len(lengths), lengths, seed)
     stop: tuple[int, ...] = ()
     if use_stop:  # a token the target really emits mid-continuation, so rows stop at different rounds
         stop = (oracle(arch, tuple(prompts[0]), max_new)[max_new // 2],)
-    scheduler = "continuous" if continuous and method != "eqspec" else "static"
-    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler)
-    engine = Engine(target(arch), spec, stop, draft_model=drafter(arch))
+    scheduler = "continuous" if continuous and method in ("ragged", "ar") else "static"
+    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
+                      window_size=batch_size + extra_window, sort_by_length=continuous)
+    engine = build_engine(target(arch), spec, stop, draft_model=drafter(arch))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert_matches_oracle(arch, prompts, outputs, max_new, stop)
     for seq in outputs:
@@ -79,7 +82,7 @@ def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, k, l
 @settings(max_examples=20)
 @given(
     arch=st.sampled_from(ARCHS),
-    method=st.sampled_from(["ragged", "eqspec"]),
+    method=st.sampled_from(["ragged", "eqspec", "exspec"]),
     batch_size=st.integers(1, 8),
     k=st.integers(1, 6),
     lengths=st.lists(st.integers(1, 16), min_size=1, max_size=8),
@@ -93,7 +96,7 @@ def test_rigged_acceptance_matches_oracle(arch, method, batch_size, k, lengths, 
     truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
     rigged = ScriptedDrafter(truth, p_right, VOCAB_SIZE, seed=seed)
     spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, check_invariants=True)
-    engine = Engine(target(arch), spec, drafter=rigged)
+    engine = build_engine(target(arch), spec, drafter=rigged)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert_matches_oracle(arch, prompts, outputs, max_new)
     if p_right == 1.0:
@@ -103,13 +106,13 @@ def test_rigged_acceptance_matches_oracle(arch, method, batch_size, k, lengths, 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+@pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec"])
 def test_mixed_batch_matches_oracle(arch, method):
     """A fixed, deliberately ragged case per architecture: many rows, mixed prompt lengths
     (including 1), partial acceptance, rows finishing at different rounds."""
     prompts = random_prompts(7, [1, 9, 5, 14, 2, 6, 11], seed=11)
     params = [SamplingParams(max_new_tokens=n) for n in (20, 7, 20, 13, 20, 3, 17)]
-    engine = Engine(target(arch), SpecConfig(method=method, num_draft_tokens=4, batch_size=4), draft_model=drafter(arch))
+    engine = build_engine(target(arch), SpecConfig(method=method, num_draft_tokens=4, batch_size=4), draft_model=drafter(arch))
     outputs = engine.generate(prompts, params)
     for p, sp, seq in zip(prompts, params, outputs):
         assert seq.generated == oracle(arch, tuple(p), sp.max_new_tokens)
@@ -134,11 +137,11 @@ def test_stop_token_inside_accepted_drafts(method):
     assert first.rounds == 1  # the stop token came inside the first round's accepted drafts
 
 
-@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+@pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec"])
 def test_invariant_checks_pass_on_real_runs(method):
     prompts = random_prompts(5, [1, 4, 17, 8, 2], seed=3)
     spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=3, check_invariants=True)
-    outputs = Engine(target("qwen2"), spec, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=12))
+    outputs = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=12))
     assert_matches_oracle("qwen2", prompts, outputs, 12)
 
 
@@ -228,3 +231,18 @@ def test_near_context_end_drafts_do_not_overflow_absolute_positions():
     engine = Engine(target("gpt2"), SpecConfig(num_draft_tokens=6, batch_size=1), draft_model=drafter("gpt2"))
     out = engine.generate([prompt], SamplingParams(max_new_tokens=12))
     assert out[0].generated == oracle("gpt2", tuple(prompt), 12)
+
+
+def test_exspec_groups_same_length_rows_and_refills_the_window():
+    """Equal-length prompts form same-length groups (no padding at all); the window refills as
+    rows finish, and every prompt is answered exactly."""
+    prompts = random_prompts(12, [6, 6, 6, 6, 9, 9, 9, 9, 3, 3, 3, 3], seed=8)
+    params = [SamplingParams(max_new_tokens=4 + i % 5) for i in range(len(prompts))]
+    spec = SpecConfig(method="exspec", num_draft_tokens=3, batch_size=4, window_size=8, sort_by_length=True,
+                      check_invariants=True)
+    engine = build_engine(target("llama"), spec, draft_model=drafter("llama"))
+    outputs = engine.generate(prompts, params)
+    for p, sp, seq in zip(prompts, params, outputs):
+        assert seq.generated == oracle("llama", tuple(p), sp.max_new_tokens)
+    assert engine.stats.extra["grouped_rounds"] > 0
+    assert engine.stats.extra["grouped_rounds"] + engine.stats.extra["fallback_rounds"] == engine.stats.rounds

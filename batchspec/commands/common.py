@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import METHODS, SCHEDULERS, SamplingParams, SpecConfig
+from ..config import BROKEN_METHODS, METHODS, SCHEDULERS, SamplingParams, SpecConfig
 from ..llm import LLM
 from ..models import ModelPair, load_pair
 
@@ -21,8 +21,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_decoding_arguments(p: argparse.ArgumentParser, method_default: str = "ragged") -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", default=method_default, choices=METHODS)
-    g.add_argument("--batch-size", type=int, default=4)
+    g.add_argument("--method", default=method_default, choices=METHODS + BROKEN_METHODS,
+                   help="ar: plain decoding; eqspec: left-padded, realigned every round (the paper); ragged: "
+                   "per-row KV cursors; exspec: sequence pool with same-length groups. "
+                   f"{', '.join(BROKEN_METHODS)} are deliberately wrong (for audits only)")
+    g.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=4,
+                   help="rows decoded together (with --scheduler continuous: the most sequences in flight)")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=5)
     g.add_argument("--scheduler", default="static", choices=SCHEDULERS)
     g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window (default 4x batch size)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..config import BatchspecError
 from ..llm import RequestOutput
 from ..prompts import load_prompts
 from ..reference import reference_decode
@@ -55,6 +56,9 @@ def summarize(outputs: list[RequestOutput], wall: float) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     records = load_prompts(args.prompts)[: args.limit]
+    if args.verify and args.temperature > 0 and args.seed is None:
+        raise BatchspecError("--verify with --temperature > 0 needs --seed: unseeded sampling has no single "
+                             "right answer (use `batchspec verify-distribution` for its distribution)")
     spec = spec_from_args(args)
     models = load_models(args, need_draft=spec.speculative)
     llm = make_llm(args, models, spec)

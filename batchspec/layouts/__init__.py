@@ -9,7 +9,17 @@ __all__ = ["LAYOUTS", "METHOD_LAYOUT", "Layout", "PaddedLayout", "RaggedLayout",
 # `padded` is the paper's EQSPEC rectangle; `ragged` keeps one write cursor per row.
 LAYOUTS: dict[str, type[Layout]] = {"padded": PaddedLayout, "ragged": RaggedLayout}
 # Which layout each decoding method runs on.
-METHOD_LAYOUT: dict[str, str] = {"ar": "ragged", "ragged": "ragged", "eqspec": "padded", "exspec": "padded"}
+METHOD_LAYOUT: dict[str, str] = {
+    "ar": "ragged",
+    "ragged": "ragged",
+    "eqspec": "padded",
+    "exspec": "padded",
+    # Deliberately wrong methods. Their two broken layouts live in batchspec.forensics.broken, which
+    # adds them to LAYOUTS when imported (batchspec.llm imports it), so no wrong code sits here.
+    "naive-kv": "naive-kv",
+    "naive-positions": "naive-positions",
+    "naive-bonus": "ragged",
+}
 
 
 def make_layout(kind: str, model, max_rows: int, capacity: int) -> Layout:

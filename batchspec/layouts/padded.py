@@ -64,6 +64,25 @@ class PaddedLayout(Layout):
             self.realign_count += 1
         self.pads, self.lengths, self.width = pads, lengths, width
 
+    def load_rows(self, pool: Layout, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Become a rectangle of `pool` rows `rows` (stored from slot 0), keeping `lengths` tokens
+        of each: left-pad them to a common width (no padding at all when the lengths are equal)."""
+        width = int(lengths.max())
+        pads = width - lengths
+        source = (torch.arange(width, device=self.device)[None, :] - pads[:, None]).clamp(min=0)
+        self.store.copy_rows(pool.store, rows, torch.arange(len(rows), device=self.device), source)
+        self.pads, self.lengths, self.width = pads, lengths, width
+
+    def save_rows(self, pool: Layout, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Write the first `lengths[b]` tokens of each row back to `pool` rows `rows`, from slot 0,
+        and empty this layout."""
+        span = int(lengths.max())
+        source = (torch.arange(span, device=self.device)[None, :] + self.pads[:, None]).clamp(max=self.width - 1)
+        pool.store.copy_rows(self.store, torch.arange(len(rows), device=self.device), rows, source)
+        pool.lengths[rows] = lengths
+        self.pads = self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.width = 0
+
     def _reorder(self, index: torch.Tensor) -> None:
         self.pads = self.pads[index]
 

@@ -1,0 +1,71 @@
+"""`batchspec audit`: compare a run's outputs (ours or another program's) with plain greedy decoding.
+
+Writes a JSON report (`--report`), prints a Markdown summary (also to `--markdown`), and exits 0
+whenever the audit itself ran, whatever it found: the report is the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..config import BatchspecError
+from ..forensics.audit import Auditor, markdown_summary, pair_items, read_outputs
+from ..models import encode_prompt
+from ..prompts import load_prompts
+from .common import add_model_arguments, load_models
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", required=True, help="the prompts file the run decoded (JSONL or text, as for generate)")
+    p.add_argument("--outputs", required=True, help="JSONL with `id` and `token_ids` or `text` (any program's)")
+    p.add_argument("--report", required=True, help="write the JSON report here")
+    p.add_argument("--markdown", help="also write the Markdown summary here")
+    p.add_argument("--oracle-cache", help="JSON file to load plain-decoding outputs from and save them to")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="the run's token budget (default 64)")
+    p.add_argument("--limit", type=int, help="only the first N prompts (as generate --limit)")
+    p.add_argument("--margin", type=float, help="fp-tie margin in logits (default: calibrated on the model)")
+    p.add_argument("--calibration-rows", type=int, default=8, help="prefixes measured to calibrate the margin")
+    add_model_arguments(p)
+    p.epilog = (
+        "Pass the run's own --target, --dtype, --max-new-tokens and --no-chat-template: the oracle must "
+        "decode exactly what the run decoded. --draft is not used."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise BatchspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.calibration_rows < 1:
+        raise BatchspecError(f"--calibration-rows must be >= 1, got {args.calibration_rows}")
+    every = load_prompts(args.prompts)
+    records = every[: args.limit]
+    beyond_limit = {r.id for r in every[len(records) :]}  # left out on purpose, not missing prompts
+    outputs = [o for o in read_outputs(args.outputs) if o.id not in beyond_limit]
+    models = load_models(args, need_draft=False)
+    chat_template = not args.no_chat_template
+    items = pair_items(records, outputs, lambda text: encode_prompt(models.tokenizer, text, chat_template))
+    auditor = Auditor(
+        models.target,
+        models.tokenizer,
+        args.max_new_tokens,
+        oracle_cache=Path(args.oracle_cache) if args.oracle_cache else None,
+        margin=args.margin,
+        calibration_rows=args.calibration_rows,
+    )
+    report = auditor.audit(items)
+    report["config"].update(
+        prompts=str(args.prompts),
+        outputs=str(args.outputs),
+        target=args.target or "bundled",
+        chat_template=chat_template,
+    )
+    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    summary = markdown_summary(report)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(summary, encoding="utf-8")
+    print(summary, end="")
+    return 0

@@ -1,0 +1,118 @@
+"""EXSPEC, the paper's cross-batch scheduling: a pool of sequences, same-length groups first.
+
+Every admitted sequence keeps its own K/V in a pool (one row per sequence, stored from slot 0, for
+target and drafter), inside a sliding window of W >= B sequences. Each round takes B rows of the
+window: a group of equal committed length when one exists (stacked with no padding at all), else
+the B least recently run rows, left-padded into a rectangle (the fallback realignment). The round
+runs on that rectangle exactly as in EQSPEC, then each row's kept tokens go back to its pool row.
+Finished rows leave the window at once and waiting prompts refill it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterator
+
+import torch
+
+from .drafters import ModelDrafter
+from .engine import Engine
+from .forensics.invariants import check_layout
+from .layouts import PaddedLayout, RaggedLayout
+from .sequence import Sequence
+
+
+class ExspecEngine(Engine):
+    """Engine whose rounds run on groups chosen from a pool (`--method exspec`)."""
+
+    def _setup(self, capacity: int) -> None:
+        self.window_size = self.spec.window_size or 4 * self.spec.batch_size
+        self.pool = RaggedLayout(self.target, self.window_size, capacity)
+        self.target_layout = PaddedLayout(self.target, self.spec.batch_size, capacity)
+        self.drafter = self.custom_drafter
+        self.draft_pool: RaggedLayout | None = None
+        if self.draft_model is not None:
+            self.draft_pool = RaggedLayout(self.draft_model, self.window_size, capacity)
+            self.drafter = ModelDrafter(PaddedLayout(self.draft_model, self.spec.batch_size, capacity))
+        self.stats.extra.update(grouped_rounds=0, fallback_rounds=0)
+
+    def _loop(self, seqs: list[Sequence]) -> Iterator[Sequence]:
+        order = sorted(seqs, key=lambda s: len(s.prompt_ids)) if self.spec.sort_by_length else seqs
+        waiting = deque(order)
+        window: list[Sequence] = []  # window[r] lives in pool row r
+        self._last_run: dict[int, int] = {}
+        while waiting or window:
+            new = [waiting.popleft() for _ in range(min(self.window_size - len(window), len(waiting)))]
+            if new:
+                pool_drafter = ModelDrafter(self.draft_pool) if self.draft_pool is not None else self.drafter
+                self._admit(new, self.pool, pool_drafter)
+                window.extend(new)
+            yield from self._leave(window)
+            if not window:
+                continue
+            rows = self._select(window)
+            self._group_rows = torch.tensor(rows, dtype=torch.long, device=self.pool.device)
+            self._window = window
+            group = [window[r] for r in rows]
+            self._load(group)
+            self._round(group)
+            for s in group:
+                self._last_run[s.index] = self.stats.rounds
+            yield from self._leave(window)
+
+    def _select(self, window: list[Sequence]) -> list[int]:
+        """Pool rows for the next round: a same-length group if the window has one (the one whose
+        rows waited longest), else the least recently run rows."""
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for r, s in enumerate(window):
+            by_length[s.length].append(r)
+        want = min(self.spec.batch_size, len(window))
+        waited = lambda r: self._last_run.get(window[r].index, -1)  # noqa: E731
+        full = [rows for rows in by_length.values() if len(rows) >= want]
+        if full:
+            self.stats.extra["grouped_rounds"] += 1
+            best = min(full, key=lambda rows: min(map(waited, rows)))
+            return sorted(best, key=waited)[:want]
+        self.stats.extra["fallback_rounds"] += 1
+        return sorted(range(len(window)), key=waited)[:want]
+
+    def _load(self, group: list[Sequence]) -> None:
+        """Stack the group's pool rows into the working rectangles (target: all tokens but the
+        last; drafter: all but the last two, which it feeds first)."""
+        device = self.pool.device
+        lengths = torch.tensor([s.length for s in group], dtype=torch.long, device=device)
+        self.target_layout.load_rows(self.pool, self._group_rows, lengths - 1)
+        if self.draft_pool is not None:
+            self.drafter.layout.load_rows(self.draft_pool, self._group_rows, lengths - 2)
+
+    def _commit(self, active: list[Sequence]) -> None:
+        """Write the kept tokens straight back to the pool: no realignment inside the rectangle,
+        which is rebuilt for whichever group runs next."""
+        device = self.pool.device
+        lengths = torch.tensor([s.length - 1 for s in active], dtype=torch.long, device=device)
+        self.target_layout.save_rows(self.pool, self._group_rows, lengths)
+        if self.draft_pool is not None:
+            drafter_layout = self.drafter.layout
+            self.drafter.layout.save_rows(self.draft_pool, self._group_rows, drafter_layout.lengths.clamp(max=lengths - 1))
+
+    def _leave(self, window: list[Sequence]) -> list[Sequence]:
+        """Finished sequences leave the window (and their pool rows) at once."""
+        keep = [not s.finished for s in window]
+        if all(keep):
+            return []
+        finished = [s for s in window if s.finished]
+        order = self.pool.drop(keep)
+        if self.draft_pool is not None:
+            self.draft_pool.drop(keep)
+        window[:] = [window[i] for i in order]
+        return finished
+
+    def _check(self, active: list[Sequence]) -> None:
+        """Invariants of the pools after the group's tokens went back."""
+        window, rows = self._window, self._group_rows.tolist()
+        check_layout(self.pool, "target pool", self.stats.rounds, [s.length - 1 for s in window],
+                     [s.tokens[:-1] for s in window], rows)
+        if self.draft_pool is not None:
+            valid = [min(int(n), s.length - 2) for n, s in zip(self.draft_pool.lengths.tolist(), window)]
+            check_layout(self.draft_pool, "drafter pool", self.stats.rounds, None,
+                         [s.tokens[:v] for s, v in zip(window, valid)], rows)
