@@ -35,6 +35,7 @@ class SpecConfig:
     check_invariants: bool = False
     window_size: int | None = None
     sort_by_length: bool = False
+    max_kv_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS + BROKEN_METHODS:
@@ -50,6 +51,8 @@ class SpecConfig:
             raise BatchspecError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.scheduler == "continuous" and self.method not in ("ar", "ragged"):
             raise BatchspecError("the continuous scheduler needs per-row cursors (--method ragged or ar)")
+        if self.max_kv_slots is not None and self.max_kv_slots < 1:
+            raise BatchspecError(f"max_kv_slots must be >= 1, got {self.max_kv_slots}")
         if self.window_size is not None and self.window_size < self.batch_size:
             raise BatchspecError(f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})")
 

@@ -114,11 +114,24 @@ class Engine:
     def _setup(self, capacity: int) -> None:
         """Allocate the layouts for this run: `capacity` slots per row covers the longest prompt,
         max_new_tokens and one round of drafts in flight."""
-        rows = self.spec.batch_size
+        rows = self._rows_within_budget(self.spec.batch_size, capacity)
         self.target_layout = make_layout(self.layout_kind, self.target, rows, capacity)
         self.drafter = self.custom_drafter
         if self.draft_model is not None:
             self.drafter = ModelDrafter(make_layout(self.layout_kind, self.draft_model, rows, capacity))
+
+    def _rows_within_budget(self, wanted: int, capacity: int) -> int:
+        """Rows to allocate: `wanted`, fewer if `max_kv_slots` (rows x slots per row, per model)
+        cannot hold them, so admission never outgrows the memory the user granted."""
+        budget = self.spec.max_kv_slots
+        if budget is None:
+            return wanted
+        if budget < capacity:
+            raise BatchspecError(
+                f"max_kv_slots {budget} cannot hold one row of {capacity} slots (longest prompt + "
+                f"max_new_tokens + drafts in flight)"
+            )
+        return min(wanted, budget // capacity)
 
     # ---- the loop -----------------------------------------------------------------------------
     def _loop(self, seqs: list[Sequence]) -> Iterator[Sequence]:
@@ -139,7 +152,7 @@ class Engine:
         slots at once."""
         if self.spec.scheduler == "static" and active:
             return []
-        free = self.spec.batch_size - len(active)
+        free = self.target_layout.store.max_rows - len(active)
         return [waiting.popleft() for _ in range(min(free, len(waiting)))]
 
     def _admit(self, seqs: list[Sequence], layout: Layout, drafter: Drafter | None) -> None:
@@ -205,14 +218,20 @@ class Engine:
         """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]]."""
         return sampling.accept_round(draft, logits, seqs, self.randomness)
 
+    def _row_holders(self) -> list[Layout | Drafter]:
+        """Everything that keeps state per active row, in the rows' order."""
+        return [self.target_layout] + ([self.drafter] if self.drafter is not None else [])
+
     def _retire(self, active: list[Sequence]) -> list[Sequence]:
+        """Drop finished rows everywhere (they stop costing compute) and return them."""
         keep = [not s.finished for s in active]
         if all(keep):
             return []
         finished = [s for s in active if s.finished]
-        order = self.target_layout.drop(keep)
-        if self.drafter is not None:
-            self.drafter.drop(keep)
+        holders = self._row_holders()
+        order = holders[0].drop(keep)
+        for holder in holders[1:]:
+            holder.drop(keep)
         active[:] = [active[i] for i in order]
         return finished
 

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .drafters import ModelDrafter
+from .drafters import Drafter, ModelDrafter
 from .engine import Engine
 from .forensics.invariants import check_layout
-from .layouts import PaddedLayout, RaggedLayout
+from .layouts import Layout, PaddedLayout, RaggedLayout
 from .sequence import Sequence
 
 
@@ -26,14 +26,15 @@ class ExspecEngine(Engine):
     """Engine whose rounds run on groups chosen from a pool (`--method exspec`)."""
 
     def _setup(self, capacity: int) -> None:
-        self.window_size = self.spec.window_size or 4 * self.spec.batch_size
+        self.window_size = self._rows_within_budget(self.spec.window_size or 4 * self.spec.batch_size, capacity)
+        self.group_size = min(self.spec.batch_size, self.window_size)
         self.pool = RaggedLayout(self.target, self.window_size, capacity)
-        self.target_layout = PaddedLayout(self.target, self.spec.batch_size, capacity)
+        self.target_layout = PaddedLayout(self.target, self.group_size, capacity)
         self.drafter = self.custom_drafter
         self.draft_pool: RaggedLayout | None = None
         if self.draft_model is not None:
             self.draft_pool = RaggedLayout(self.draft_model, self.window_size, capacity)
-            self.drafter = ModelDrafter(PaddedLayout(self.draft_model, self.spec.batch_size, capacity))
+            self.drafter = ModelDrafter(PaddedLayout(self.draft_model, self.group_size, capacity))
         self.stats.extra.update(grouped_rounds=0, fallback_rounds=0)
 
     def _loop(self, seqs: list[Sequence]) -> Iterator[Sequence]:
@@ -47,7 +48,7 @@ class ExspecEngine(Engine):
                 pool_drafter = ModelDrafter(self.draft_pool) if self.draft_pool is not None else self.drafter
                 self._admit(new, self.pool, pool_drafter)
                 window.extend(new)
-            yield from self._leave(window)
+            yield from self._retire(window)
             if not window:
                 continue
             rows = self._select(window)
@@ -58,7 +59,7 @@ class ExspecEngine(Engine):
             self._round(group)
             for s in group:
                 self._last_run[s.index] = self.stats.rounds
-            yield from self._leave(window)
+            yield from self._retire(window)
 
     def _select(self, window: list[Sequence]) -> list[int]:
         """Pool rows for the next round: a same-length group if the window has one (the one whose
@@ -66,7 +67,7 @@ class ExspecEngine(Engine):
         by_length: dict[int, list[int]] = defaultdict(list)
         for r, s in enumerate(window):
             by_length[s.length].append(r)
-        want = min(self.spec.batch_size, len(window))
+        want = min(self.group_size, len(window))
         waited = lambda r: self._last_run.get(window[r].index, -1)  # noqa: E731
         full = [rows for rows in by_length.values() if len(rows) >= want]
         if full:
@@ -95,17 +96,9 @@ class ExspecEngine(Engine):
             drafter_layout = self.drafter.layout
             self.drafter.layout.save_rows(self.draft_pool, self._group_rows, drafter_layout.lengths.clamp(max=lengths - 1))
 
-    def _leave(self, window: list[Sequence]) -> list[Sequence]:
-        """Finished sequences leave the window (and their pool rows) at once."""
-        keep = [not s.finished for s in window]
-        if all(keep):
-            return []
-        finished = [s for s in window if s.finished]
-        order = self.pool.drop(keep)
-        if self.draft_pool is not None:
-            self.draft_pool.drop(keep)
-        window[:] = [window[i] for i in order]
-        return finished
+    def _row_holders(self) -> list[Layout | Drafter]:
+        """Per-row state outlives a round only in the pools (the rectangles are rebuilt each round)."""
+        return [self.pool] + ([self.draft_pool] if self.draft_pool is not None else [])
 
     def _check(self, active: list[Sequence]) -> None:
         """Invariants of the pools after the group's tokens went back."""

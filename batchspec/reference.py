@@ -6,7 +6,7 @@ and default causal masks, so a bug in our layouts cannot hide by being repeated 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -16,24 +16,35 @@ from .sampling import filter_logits, gumbel_argmax, keyed_gumbel
 
 
 @torch.inference_mode()
-def greedy_decode(
-    model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_ids: Iterable[int] = ()
+def _decode(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_ids: Iterable[int],
+    choose: Callable[[torch.Tensor, int], int],
 ) -> list[int]:
-    """Greedy continuation of `prompt_ids`, up to and including the first stop token."""
+    """The plain loop: prefill, then one token at a time; `choose(logits [1, vocab], t)` picks the
+    token at generated position t. Stops after the first stop token or max_new_tokens."""
     stop = set(stop_ids)
     device = next(model.parameters()).device
     cache = new_dynamic_cache(model)
     logits = forward_plain(model, torch.tensor([prompt_ids], device=device), cache)
     generated: list[int] = []
     while True:
-        token = int(logits.argmax(dim=-1))
+        token = choose(logits, len(generated))
         generated.append(token)
         if token in stop or len(generated) >= max_new_tokens:
             return generated
         logits = forward_plain(model, torch.tensor([[token]], device=device), cache)
 
 
-@torch.inference_mode()
+def greedy_decode(
+    model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_ids: Iterable[int] = ()
+) -> list[int]:
+    """Greedy continuation of `prompt_ids`, up to and including the first stop token."""
+    return _decode(model, prompt_ids, max_new_tokens, stop_ids, lambda logits, t: int(logits.argmax(dim=-1)))
+
+
 def sample_decode(
     model: torch.nn.Module, prompt_ids: list[int], params: SamplingParams, stop_ids: Iterable[int] = ()
 ) -> list[int]:
@@ -46,19 +57,12 @@ def sample_decode(
             "sampling without a seed has no single reference output: give the request a seed to compare "
             "token by token, or compare distributions with `batchspec verify-distribution`"
         )
-    stop = set(stop_ids)
-    device = next(model.parameters()).device
-    cache = new_dynamic_cache(model)
-    logits = forward_plain(model, torch.tensor([prompt_ids], device=device), cache)
-    generated: list[int] = []
-    while True:
+
+    def choose(logits: torch.Tensor, t: int) -> int:
         scores = filter_logits(logits, [params])
-        noise = keyed_gumbel([(params.seed, len(generated))], scores.shape[-1]).to(device)
-        token = int(gumbel_argmax(scores, noise))
-        generated.append(token)
-        if token in stop or len(generated) >= params.max_new_tokens:
-            return generated
-        logits = forward_plain(model, torch.tensor([[token]], device=device), cache)
+        return int(gumbel_argmax(scores, keyed_gumbel([(params.seed, t)], scores.shape[-1]).to(logits.device)))
+
+    return _decode(model, prompt_ids, params.max_new_tokens, stop_ids, choose)
 
 
 def reference_decode(

@@ -246,3 +246,25 @@ def test_exspec_groups_same_length_rows_and_refills_the_window():
         assert seq.generated == oracle("llama", tuple(p), sp.max_new_tokens)
     assert engine.stats.extra["grouped_rounds"] > 0
     assert engine.stats.extra["grouped_rounds"] + engine.stats.extra["fallback_rounds"] == engine.stats.rounds
+
+
+def test_kv_budget_bounds_rows_in_flight(monkeypatch):
+    """A queue longer than the K/V budget is served a few rows at a time, all exactly."""
+    rows_per_forward: list[int] = []
+    original = RaggedLayout.forward
+
+    def spy(self, tokens, last_only=False):
+        rows_per_forward.append(tokens.shape[0])
+        return original(self, tokens, last_only)
+
+    monkeypatch.setattr(RaggedLayout, "forward", spy)
+    prompts = random_prompts(7, [3, 8, 5], seed=13)
+    capacity = 8 + 10 + 3 + 1  # longest prompt + max_new_tokens + K + 1
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=4, scheduler="continuous", max_kv_slots=2 * capacity)
+    outputs = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=10))
+    assert max(rows_per_forward) == 2
+    for p, seq in zip(prompts, outputs):
+        assert seq.generated == oracle("qwen2", tuple(p), 10)
+    with pytest.raises(BatchspecError, match="cannot hold one row"):
+        tight = SpecConfig(method="ragged", num_draft_tokens=3, max_kv_slots=capacity - 1)
+        build_engine(target("qwen2"), tight, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=10))

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from ..config import SamplingParams, SpecConfig
+from ..config import BatchspecError, SamplingParams, SpecConfig
 from ..llm import LLM
 from ..models import ModelPair
 from .exactness import Classifier, Match, Oracle, compare
@@ -83,10 +83,17 @@ class BenchSettings:
     num_draft_tokens: int
     window_size: int | None = None
     sort_by_length: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
 
     @property
     def params(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_new_tokens)
+        """One setting for every request; sampled runs share one seed (coupled rule), so plain
+        seeded sampling of each prompt alone is still a single right answer to compare with."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed)
 
 
 def _bar(total: int, desc: str) -> tqdm:
@@ -235,6 +242,8 @@ def run_hf(
 ) -> tuple[list[RowResult], Timing]:
     """`hf@B`: batched plain greedy generate (left padding); `hf-assisted@1`: generate with the
     drafter as assistant model. Same prompts, token budget and stop ids as our methods."""
+    if not settings.params.greedy:
+        raise BatchspecError("the transformers baselines run greedy only (their sampling is not keyed by position)")
     target, tokenizer = models.target, models.tokenizer
     assistant = models.draft if spec.method == HF_ASSISTED else None
     stops = frozenset(stop_ids)

@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window")
     g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
+    g = p.add_argument_group("sampling (default greedy)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, help="needed with --temperature > 0: seeded (coupled) sampling has one right "
+                   "answer to check exactness against")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure and the machine description here")
     g.add_argument("--csv", help="write one line per method (and per method and task group) here")
@@ -88,14 +94,17 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
 
 def run(args: argparse.Namespace) -> int:
     specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes))
-    if args.max_new_tokens < 1:
-        raise BatchspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.num_draft_tokens < 1 and any(s.speculative for s in specs):
         raise BatchspecError(f"--num-draft-tokens must be >= 1 for speculative methods, got {args.num_draft_tokens}")
+    if args.temperature > 0 and args.seed is None:
+        raise BatchspecError("bench checks every output against plain decoding: with --temperature > 0 give --seed "
+                             "(for rejection-sampling acceptance, use `batchspec generate`)")
+    settings = BenchSettings(args.max_new_tokens, args.num_draft_tokens, args.window_size, args.sort_by_length,
+                             args.temperature, args.top_p, args.top_k, args.seed)
+    settings.params  # validates the budget and sampling settings before the (slow) model loading
     models = load_models(args, need_draft=any(s.speculative for s in specs))
     prompts, prompt_info = _choose_prompts(args, models)
     stop_ids = eos_token_ids(models.target, models.tokenizer)
-    settings = BenchSettings(args.max_new_tokens, args.num_draft_tokens, args.window_size, args.sort_by_length)
     by_group = bool(args.suite) and prompt_info["groups"] is not None
     parts = (
         {str(g): [i for i, p in enumerate(prompts) if p.group == g] for g in group_order(prompts)}

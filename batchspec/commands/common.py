@@ -31,6 +31,8 @@ def add_decoding_arguments(p: argparse.ArgumentParser, method_default: str = "ra
     g.add_argument("--scheduler", default="static", choices=SCHEDULERS)
     g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window (default 4x batch size)")
     g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
+    g.add_argument("--max-kv-slots", type=int, help="K/V budget per model, in token slots (rows x slots per row); "
+                   "fewer rows are admitted at once if needed")
     g.add_argument("--check-invariants", action="store_true", help="verify layout invariants and cached K/V every round")
 
 
@@ -52,6 +54,7 @@ def spec_from_args(args: argparse.Namespace, **overrides) -> SpecConfig:
         check_invariants=args.check_invariants,
         window_size=args.window_size,
         sort_by_length=args.sort_by_length,
+        max_kv_slots=args.max_kv_slots,
     )
     fields.update(overrides)
     return SpecConfig(**fields)

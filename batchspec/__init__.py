@@ -1,0 +1,6 @@
+"""batchspec: batched speculative decoding that provably produces what plain decoding produces."""
+
+from .config import BatchspecError, SamplingParams, SpecConfig
+from .llm import LLM, RequestOutput
+
+__all__ = ["LLM", "BatchspecError", "RequestOutput", "SamplingParams", "SpecConfig"]
