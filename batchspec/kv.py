@@ -218,6 +218,10 @@ def forward_plain(model: torch.nn.Module, input_ids: torch.Tensor, cache: Dynami
     return out.logits[:, -1].float()
 
 
-def dynamic_cache_kv(cache: DynamicCache) -> torch.Tensor:
-    """Stack a batch-1 DynamicCache into [layers, 2, heads, len, dim] to compare with a SlotStore row."""
+@torch.inference_mode()
+def prefix_kv(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """K/V of a prefix computed from scratch, batch 1, on transformers' own DynamicCache, stacked as
+    [layers, 2, heads, len, dim] to compare with a SlotStore row."""
+    cache = new_dynamic_cache(model)
+    forward_plain(model, torch.tensor([token_ids], device=next(model.parameters()).device), cache)
     return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])

@@ -60,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError("--verify with --temperature > 0 needs --seed: unseeded sampling has no single "
                              "right answer (use `batchspec verify-distribution` for its distribution)")
     spec = spec_from_args(args)
+    params = params_for(args, len(records))  # validated before the (slow) model loading
     models = load_models(args, need_draft=spec.speculative)
     llm = make_llm(args, models, spec)
-    params = params_for(args, len(records))
     readable = [i for i, r in enumerate(records) if r.error is None]
     outputs: dict[int, RequestOutput] = {
         i: RequestOutput(i, r.text, [], error=r.error) for i, r in enumerate(records) if r.error is not None
@@ -76,6 +76,16 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     ordered = [outputs[i] for i in range(len(records))]
     summary = summarize(ordered, wall)
+    stats = llm.stats
+    summary["time_seconds"] = {  # where the time went: model forwards vs everything else
+        "prefill": round(stats.prefill_time, 3),
+        "draft_forwards": round(stats.draft_time, 3),
+        "target_forwards": round(stats.verify_time, 3),
+        "other": round(stats.other_time, 3),
+    }
+    summary["decode_tokens_per_second"] = (
+        round(stats.generated / stats.decode_time, 3) if stats.decode_time > 0 else None
+    )
     if args.verify:
         summary["exact_match"] = _verify(llm, ordered, params)
     if args.output:

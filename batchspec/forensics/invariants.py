@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv import dynamic_cache_kv, new_dynamic_cache
+from ..kv import prefix_kv
 from ..layouts import Layout
 
 
@@ -23,15 +23,6 @@ class InvariantError(AssertionError):
 
 def _tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-
-
-@torch.inference_mode()
-def fresh_kv(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """[layers, 2, heads, len, dim] K/V of a prefix computed from scratch, batch 1."""
-    cache = new_dynamic_cache(model)
-    device = next(model.parameters()).device
-    model(input_ids=torch.tensor([token_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
-    return dynamic_cache_kv(cache)
 
 
 def check_layout(
@@ -75,7 +66,7 @@ def check_layout(
         if not prefix:
             continue
         cached = layout.store.row_kv(row, start, len(prefix)).float()
-        fresh = fresh_kv(layout.model, prefix).float()
+        fresh = prefix_kv(layout.model, prefix).float()
         scale = 1.0 + fresh.abs().max().item()
         err = (cached - fresh).abs().max().item()
         if err > _tolerance(layout.store.data.dtype) * scale:
