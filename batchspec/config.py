@@ -31,7 +31,7 @@ class SpecConfig:
     method: str = "ragged"
     num_draft_tokens: int = 5
     batch_size: int = 4
-    scheduler: str = "static"
+    scheduler: str | None = None  # None: continuous for ragged (measured faster), static otherwise
     check_invariants: bool = False
     window_size: int | None = None
     sort_by_length: bool = False
@@ -43,6 +43,8 @@ class SpecConfig:
                 f"unknown method {self.method!r}; choose one of {', '.join(METHODS)} "
                 f"(deliberately wrong, for audits: {', '.join(BROKEN_METHODS)})"
             )
+        if self.scheduler is None:
+            object.__setattr__(self, "scheduler", "continuous" if self.method == "ragged" else "static")
         if self.scheduler not in SCHEDULERS:
             raise BatchspecError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.method != "ar" and self.num_draft_tokens < 1:

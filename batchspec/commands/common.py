@@ -28,7 +28,9 @@ def add_decoding_arguments(p: argparse.ArgumentParser, method_default: str = "ra
     g.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=4,
                    help="rows decoded together (with --scheduler continuous: the most sequences in flight)")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=5)
-    g.add_argument("--scheduler", default="static", choices=SCHEDULERS)
+    g.add_argument("--scheduler", choices=SCHEDULERS,
+                   help="static: whole batches; continuous: refill a finished row's slot at once "
+                   "(default: continuous for ragged, static otherwise)")
     g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window (default 4x batch size)")
     g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
     g.add_argument("--max-kv-slots", type=int, help="K/V budget per model, in token slots (rows x slots per row); "
