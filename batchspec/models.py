@@ -27,7 +27,6 @@ from transformers import (
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
 from .config import BatchspecError
-from .kv import context_limit  # noqa: F401  (re-exported: part of the models API)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

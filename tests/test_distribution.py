@@ -32,15 +32,6 @@ from batchspec.models import tiny_model
 ALPHA = 0.01
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one thread beats two, and by 5x when other work shares the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- broken rules: TEST-ONLY, each a published way to get speculative sampling wrong ---------------
 # Drop-in replacements for `acceptance.residual(p, q, slot)`, patched in with monkeypatch so the real
 # exact check, sampler and engine run with them.

@@ -17,10 +17,10 @@ from transformers import PreTrainedTokenizerFast
 from batchspec import bundled
 from batchspec.bundled import BUNDLED, BundledModel, bundled_installed, cache_dir, converted_dir, join_chunks
 from batchspec.config import BatchspecError
+from batchspec.kv import context_limit
 from batchspec.models import (
     TINY_ARCHS,
     check_compatible,
-    context_limit,
     encode_prompt,
     eos_token_ids,
     load_model,

@@ -11,6 +11,7 @@ import functools
 import os
 
 import pytest
+import torch
 
 from batchspec.bench.specbench import SPECBENCH_FILE, task_group
 from batchspec.bundled import bundled_installed
@@ -22,6 +23,15 @@ from batchspec.reference import greedy_decode
 
 pytestmark = pytest.mark.real
 MAX_NEW = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def all_cores():
+    """A 1.5B model wants every core (conftest keeps tiny-model tests on one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.cache

@@ -26,15 +26,6 @@ STOP = (1,)
 ARCHS = ("llama", "qwen2", "gpt2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are overhead-bound: one thread beats two, and by 5x when other work shares the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @lru_cache(maxsize=None)
 def pair(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A tiny target and a drafter that agrees with it about half the time."""

@@ -21,7 +21,8 @@ from ..bench.report import NOISE_NOTE, build_report, machine_info, render_tables
 from ..bench.runner import ALL, BenchSettings, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
 from ..config import BatchspecError
-from ..models import ModelPair, context_limit, encode_prompt, eos_token_ids
+from ..kv import context_limit
+from ..models import ModelPair, encode_prompt, eos_token_ids
 from .common import add_model_arguments, load_models
 
 DEFAULT_NUM_PROMPTS = 12  # two per SpecBench task group: a quick look, not the protocol
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     entries = build_report(results, prompts)
     machine = machine_info(args.dtype, args.draft_dtype, args.device)
     title = (f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, K {args.num_draft_tokens}, "
-             f"{args.dtype} on {machine['device']} ({machine['cpu']}, {machine['torch_threads']} threads)")
+             f"{args.dtype} target, {args.draft_dtype or args.dtype} drafter on {machine['device']} "
+             f"({machine['cpu']}, {machine['torch_threads']} threads)")
     groups = ", ".join(f"{g} {n}" for g, n in (prompt_info["groups"] or {}).items())
     print(f"batchspec bench: {title}")
     print(f"prompts: {prompt_info['file']}{f' ({groups})' if groups else ''}; "
