@@ -27,7 +27,7 @@ $(MODEL_STAMP): $(STAMP)
 	touch $@
 
 run: setup
-	$(BIN)/batchspec generate --prompts $(PROMPTS) --method ragged --batch-size 4 \
+	$(BIN)/batchspec generate --prompts $(PROMPTS) --method ragged --batch-size 4 --draft-dtype bfloat16 \
 		--num-draft-tokens 5 --max-new-tokens 48 --verify --output $(OUT)/generate.jsonl
 
 test: setup

@@ -79,8 +79,12 @@ def _sample(engine: Engine, prompt_ids: list[int], params: SamplingParams, count
 def run(args: argparse.Namespace) -> int:
     if args.method == "ar":
         raise BatchspecError("verify-distribution compares a speculative method with plain sampling: choose --method")
-    if args.samples < 1 or args.positions < 1:
-        raise BatchspecError("--samples and --positions must be >= 1")
+    if args.samples < 1:
+        raise BatchspecError("--samples must be >= 1")
+    if args.positions < 3:
+        # position 0 comes from the prefill and a round drafts at most (budget left - 1) tokens, so
+        # speculation only enters from the third position on
+        raise BatchspecError("--positions must be >= 3: the first two positions never involve drafts")
     params = SamplingParams(max_new_tokens=args.positions, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if params.greedy:
         raise BatchspecError("--temperature 0 is greedy: use `batchspec generate --verify` for exact matches")
