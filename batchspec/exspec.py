@@ -93,8 +93,9 @@ class ExspecEngine(Engine):
         lengths = torch.tensor([s.length - 1 for s in active], dtype=torch.long, device=device)
         self.target_layout.save_rows(self.pool, self._group_rows, lengths)
         if self.draft_pool is not None:
-            drafter_layout = self.drafter.layout
-            self.drafter.layout.save_rows(self.draft_pool, self._group_rows, drafter_layout.lengths.clamp(max=lengths - 1))
+            # the drafter fed every accepted draft but possibly not the last one: keep what is valid
+            layout = self.drafter.layout
+            layout.save_rows(self.draft_pool, self._group_rows, layout.lengths.clamp(max=lengths - 1))
 
     def _row_holders(self) -> list[Layout | Drafter]:
         """Per-row state outlives a round only in the pools (the rectangles are rebuilt each round)."""

@@ -148,3 +148,5 @@ class LLM:
     def _add_stats(self, run: EngineStats) -> None:
         for name in ("prefill_time", "draft_time", "verify_time", "other_time", "rounds", "drafted", "accepted", "generated"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(run, name))
+        for name, value in run.extra.items():
+            self.stats.extra[name] = self.stats.extra.get(name, 0) + value

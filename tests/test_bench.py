@@ -19,7 +19,9 @@ from batchspec.cli import main
 from batchspec.config import BatchspecError
 from batchspec.models import load_pair
 
-METHODS = ["ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2", "hf@2", "hf-assisted@1", "naive-kv@2"]
+METHODS = [
+    "ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2", "exspec@2", "hf@2", "hf-assisted@1", "naive-kv@2",
+]
 
 
 def _prompts_file(path: Path) -> Path:
@@ -62,7 +64,10 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
         else:
             assert m["time_share"].keys() == {"prefill", "draft", "verify", "other"}
             assert sum(m["time_share"].values()) == pytest.approx(1.0, abs=1e-3)
-    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2"):
+    pooled = by_name["exspec@2"]
+    assert pooled["grouped_rounds"] + pooled["fallback_rounds"] > 0 and 0 <= pooled["grouping_rate"] <= 1
+    assert "EXSPEC grouping" in stdout
+    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2", "exspec@2"):
         assert by_name[name]["exact_match"] == 1.0, (name, by_name[name]["divergences"])
         assert by_name[name]["divergent"] == by_name[name]["sync_errors"] == 0
     # the deliberately wrong method: fast maybe, but the audit calls its divergences what they are

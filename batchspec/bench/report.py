@@ -114,6 +114,9 @@ def figures(
             wall_s=round(timing.wall, 4), prefill_s=round(timing.prefill, 4), decode_s=round(decode, 4),
             tokens_per_s=_ratio(tokens, timing.wall), decode_tokens_per_s=_ratio(decode_tokens, decode),
         )
+        if timing.grouping is not None:
+            grouped, fallback = timing.grouping
+            out.update(grouped_rounds=grouped, fallback_rounds=fallback, grouping_rate=_ratio(grouped, grouped + fallback, 4))
         if timing.draft is not None and timing.verify is not None and timing.wall > 0:
             other = timing.wall - timing.prefill - timing.draft - timing.verify
             parts = {"prefill": timing.prefill, "draft": timing.draft, "verify": timing.verify, "other": other}
@@ -231,6 +234,12 @@ def render_tables(entries: list[dict[str, Any]]) -> str:
         parts += ["", "Per task group", format_table(
             ["method", "group", "tok/s", "speedup", "acc len", "acc rate", "exact", "exact %", "fp ties", "sync err"],
             rows)]
+    pooled = [e for e in ok if e.get("grouping_rate") is not None]
+    if pooled:
+        parts += ["", "EXSPEC grouping (rounds served by a same-length group, no padding)", format_table(
+            ["method", "grouped", "fallback", "grouping rate"],
+            ([e["method"], str(e["grouped_rounds"]), str(e["fallback_rounds"]), _fmt(e["grouping_rate"], "%")]
+             for e in pooled))]
     failed = [e for e in entries if e["error"] is not None]
     if failed:
         errors = format_table(["method", "error"], ([e["method"], e["error"]] for e in failed))

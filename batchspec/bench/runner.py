@@ -51,14 +51,18 @@ class Timing:
     prefill: float
     draft: float | None = None
     verify: float | None = None
+    grouping: tuple[int, int] | None = None  # exspec: (rounds on a same-length group, fallback rounds)
 
     def __add__(self, other: Timing) -> Timing:
         def plus(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else a + b
 
+        grouping = None
+        if self.grouping is not None and other.grouping is not None:
+            grouping = (self.grouping[0] + other.grouping[0], self.grouping[1] + other.grouping[1])
         return Timing(
             self.wall + other.wall, self.prefill + other.prefill,
-            plus(self.draft, other.draft), plus(self.verify, other.verify),
+            plus(self.draft, other.draft), plus(self.verify, other.verify), grouping,
         )
 
 
@@ -136,7 +140,10 @@ def run_engine(
             bar.update(1)
         wall = time.perf_counter() - start
     s = llm.stats
-    return [rows[i] for i in range(len(prompts))], Timing(wall, s.prefill_time, s.draft_time, s.verify_time)
+    grouping = None
+    if "grouped_rounds" in s.extra:
+        grouping = (int(s.extra["grouped_rounds"]), int(s.extra["fallback_rounds"]))
+    return [rows[i] for i in range(len(prompts))], Timing(wall, s.prefill_time, s.draft_time, s.verify_time, grouping)
 
 
 # ---- Hugging Face generate --------------------------------------------------------------------
