@@ -172,7 +172,7 @@ class Engine:
         k = 0
         if self.drafter is not None:
             k = min(self.spec.num_draft_tokens, max(s.remaining for s in active) - 1)
-        pending = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.long, device=device)
+        pending = torch.tensor([s.tail(1) for s in active], dtype=torch.long, device=device)
         draft = Draft(torch.zeros((len(active), 0), dtype=torch.long, device=device), None)
         if k > 0:
             draft = self.drafter.propose(active, k, self._draft_picker(active))

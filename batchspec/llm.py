@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence as Seq
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -146,7 +146,8 @@ class LLM:
         )
 
     def _add_stats(self, run: EngineStats) -> None:
-        for name in ("prefill_time", "draft_time", "verify_time", "other_time", "rounds", "drafted", "accepted", "generated"):
-            setattr(self.stats, name, getattr(self.stats, name) + getattr(run, name))
+        for f in fields(EngineStats):
+            if f.name != "extra":
+                setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(run, f.name))
         for name, value in run.extra.items():
             self.stats.extra[name] = self.stats.extra.get(name, 0) + value

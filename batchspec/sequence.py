@@ -29,6 +29,13 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.generated
 
+    def tail(self, n: int) -> list[int]:
+        """The last n tokens (prompt included), without copying the whole sequence: the round loop
+        needs only these, every round, for every row."""
+        if n <= len(self.generated):
+            return self.generated[len(self.generated) - n :]
+        return self.prompt_ids[len(self.prompt_ids) - (n - len(self.generated)) :] + self.generated
+
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.generated)

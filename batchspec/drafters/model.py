@@ -26,7 +26,7 @@ class ModelDrafter(Drafter):
         device = self.layout.device
         lengths = torch.tensor([s.length for s in seqs], dtype=torch.long, device=device)
         self.layout.commit(lengths - 2)
-        feed = torch.tensor([s.tokens[-2:] for s in seqs], dtype=torch.long, device=device)
+        feed = torch.tensor([s.tail(2) for s in seqs], dtype=torch.long, device=device)
         tokens, logits = [], []
         for step in range(k):
             step_logits = self.layout.forward(feed, last_only=True)[:, -1]
