@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .methods import METHODS, SCHEDULERS, correct_methods, wrong_methods
+
 
 class BatchspecError(Exception):
     """An error the user can act on (bad input, missing files, incompatible models).
@@ -12,47 +14,65 @@ class BatchspecError(Exception):
     """
 
 
-METHODS = ("ar", "eqspec", "ragged", "exspec")
-# Deliberately wrong methods (batchspec.forensics.broken), one published failure mode each; opt-in,
-# for showing what the audit catches. Never use them for output.
-BROKEN_METHODS = ("naive-kv", "naive-positions", "naive-bonus")
-SCHEDULERS = ("static", "continuous")
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which models to load and how prompts are turned into ids: everything `LLM`, the CLI and the
+    bench need to know about the models, in one place.
+
+    target/draft: a local Hugging Face folder, a `.gguf` file, or None for the bundled pair.
+    draft_dtype None: the target's dtype (a different drafter dtype changes acceptance, never output).
+    chat_template: wrap text prompts in the tokenizer's chat template when it has one.
+    """
+
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "float32"
+    draft_dtype: str | None = None
+    device: str = "cpu"
+    chat_template: bool = True
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """How to decode: which method/layout, how many draft tokens, how many rows at once.
 
-    method: `ar` plain decoding (no drafter), `eqspec` left-padded layout realigned every round (the
-    paper's algorithm), `ragged` per-row KV cursors (never realigns), `exspec` sequence pool with
-    same-length grouping.
+    method: a name from `batchspec.methods.METHODS` (`ar` plain decoding, `eqspec`, `ragged`,
+    `exspec`, and the deliberately wrong ones kept for audits). scheduler None: the method's default.
+    generator_seed: seeds the engine's generator, which only unseeded sampled requests (rejection
+    rule) draw from, so such runs are repeatable; requests with their own seed never depend on it.
     """
 
     method: str = "ragged"
     num_draft_tokens: int = 5
     batch_size: int = 4
-    scheduler: str | None = None  # None: continuous for ragged (measured faster), static otherwise
+    scheduler: str | None = None
     check_invariants: bool = False
     window_size: int | None = None
     sort_by_length: bool = False
     max_kv_slots: int | None = None
+    generator_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS + BROKEN_METHODS:
+        if self.method not in METHODS:
             raise BatchspecError(
-                f"unknown method {self.method!r}; choose one of {', '.join(METHODS)} "
-                f"(deliberately wrong, for audits: {', '.join(BROKEN_METHODS)})"
+                f"unknown method {self.method!r}; choose one of {', '.join(correct_methods())} "
+                f"(deliberately wrong, for audits: {', '.join(wrong_methods())})"
             )
+        method = METHODS[self.method]
         if self.scheduler is None:
-            object.__setattr__(self, "scheduler", "continuous" if self.method == "ragged" else "static")
+            object.__setattr__(self, "scheduler", method.default_scheduler)
         if self.scheduler not in SCHEDULERS:
             raise BatchspecError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+        if self.scheduler not in method.schedulers:
+            raise BatchspecError(
+                f"method {self.method} supports the {' and '.join(method.schedulers)} scheduler"
+                f"{'s' if len(method.schedulers) > 1 else ''}, not {self.scheduler}"
+                + (" (continuous batching needs per-row cursors: ragged or ar)" if self.scheduler == "continuous" else "")
+            )
         if self.method != "ar" and self.num_draft_tokens < 1:
             raise BatchspecError(f"num_draft_tokens must be >= 1 for speculative methods, got {self.num_draft_tokens}")
         if self.batch_size < 1:
             raise BatchspecError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.scheduler == "continuous" and self.method not in ("ar", "ragged"):
-            raise BatchspecError("the continuous scheduler needs per-row cursors (--method ragged or ar)")
         if self.max_kv_slots is not None and self.max_kv_slots < 1:
             raise BatchspecError(f"max_kv_slots must be >= 1, got {self.max_kv_slots}")
         if self.window_size is not None and self.window_size < self.batch_size:
@@ -60,7 +80,7 @@ class SpecConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.method != "ar"
+        return METHODS[self.method].speculative
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+
+from numbers import Integral
 
 import torch
 
 from . import sampling
 from .config import BatchspecError, SamplingParams, SpecConfig
 from .drafters import Draft, Drafter, ModelDrafter, Picker
-from .forensics.invariants import check_layout
-from .kv import check_supported, context_limit
-from .layouts import METHOD_LAYOUT, Layout, make_layout
+from .kv import check_supported, context_limit, embedding_rows
+from .layouts import Layout, LayoutView
 from .sequence import Sequence
+
+# Called after every round with what to verify and the round's number; raises on a broken invariant.
+# Injected (batchspec.methods.build_engine), so the engine never depends on the forensics package.
+RoundChecker = Callable[[list[LayoutView], int], None]
 
 
 @dataclass
@@ -57,16 +62,18 @@ def validate_prompt(prompt_ids: list[int], params: SamplingParams, limit: int | 
 
 
 class Engine:
-    """Decodes batches of token-id prompts with one target and (optionally) one drafter."""
+    """Decodes batches of token-id prompts with one target and (optionally) one drafter, the rows of
+    each model kept in a `layout` (chosen by the method registry, `batchspec.methods`)."""
 
     def __init__(
         self,
         target: torch.nn.Module,
         spec: SpecConfig,
+        layout: type[Layout],
         stop_ids: Iterable[int] = (),
         draft_model: torch.nn.Module | None = None,
         drafter: Drafter | None = None,
-        seed: int | None = None,
+        checker: RoundChecker | None = None,
     ) -> None:
         check_supported(target)
         if spec.speculative and draft_model is None and drafter is None:
@@ -77,18 +84,40 @@ class Engine:
         self.draft_model = draft_model if spec.speculative else None
         self.custom_drafter = drafter if spec.speculative else None
         self.spec = spec
+        self.layout_class = layout
+        self.checker = checker
         self.stop_ids = frozenset(stop_ids)
-        self.layout_kind = METHOD_LAYOUT[spec.method]
         self.stats = EngineStats()
-        # Unseeded sampled rows draw from this generator (`seed` makes runs repeatable); seeded rows
-        # use noise keyed by (request seed, position), cached here for about two rounds of every row.
+        self.k = spec.num_draft_tokens if spec.speculative else 0
+        # Unseeded sampled rows draw from this generator (`generator_seed` makes runs repeatable);
+        # seeded rows use noise keyed by (request seed, position), cached for about two rounds of every row.
         self.randomness = sampling.Randomness(
-            seed, next(target.parameters()).device, cache_entries=2 * spec.batch_size * (spec.num_draft_tokens + 1)
+            spec.generator_seed, next(target.parameters()).device, cache_entries=2 * spec.batch_size * (self.k + 1)
         )
-        limits = [context_limit(m) for m in (target, self.draft_model) if m is not None]
-        self.limit = min((x for x in limits if x is not None), default=None)
+        models = [m for m in (target, self.draft_model) if m is not None]
+        self.limit = min((x for x in map(context_limit, models) if x is not None), default=None)
+        self.vocab = min(embedding_rows(m) for m in models)
 
     # ---- public -------------------------------------------------------------------------------
+    def validate(self, prompt: object, params: SamplingParams) -> list[int]:
+        """The prompt as token ids, or BatchspecError (one clear line) when this engine cannot serve it:
+        not a list of ids, an id outside the vocabulary, too long for the context or the K/V budget."""
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise BatchspecError(f"a prompt must be a list of token ids here, got {type(prompt).__name__}")
+        ids = list(prompt)  # type: ignore[call-overload]
+        bad = next((t for t in ids if not isinstance(t, Integral) or isinstance(t, bool) or not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise BatchspecError(f"token id {bad!r} is not in the model's vocabulary (ids 0..{self.vocab - 1})")
+        ids = [int(t) for t in ids]
+        validate_prompt(ids, params, self.limit)
+        budget, need = self.spec.max_kv_slots, self._slots_for(len(ids), params)
+        if budget is not None and need > budget:
+            raise BatchspecError(
+                f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} + {self.k + 1} slots for a "
+                f"round in flight needs {need} K/V slots, more than max_kv_slots {budget}"
+            )
+        return ids
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Decode every prompt; results in input order."""
         done = {s.index: s for s in self.stream(prompts, params)}
@@ -97,41 +126,37 @@ class Engine:
     def stream(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> Iterator[Sequence]:
-        """Yield each sequence as soon as it finishes."""
+        """Yield each sequence as soon as it finishes. Raises BatchspecError if any prompt cannot be
+        served (`LLM` validates first and turns those into per-request errors instead)."""
         per_request = params if isinstance(params, list) else [params] * len(prompts)
-        for p, sp in zip(prompts, per_request):
-            validate_prompt(p, sp, self.limit)
         seqs = [
-            Sequence(i, list(p), sp, self.stop_ids | frozenset(sp.stop_token_ids))
+            Sequence(i, self.validate(p, sp), sp, self.stop_ids | frozenset(sp.stop_token_ids))
             for i, (p, sp) in enumerate(zip(prompts, per_request))
         ]
         if not seqs:
             return
-        k = self.spec.num_draft_tokens if self.spec.speculative else 0
-        self._setup(max(len(p) for p in prompts) + max(sp.max_new_tokens for sp in per_request) + k + 1)
+        self._setup(len(seqs), max(self._slots_for(len(s.prompt_ids), s.params) for s in seqs))
         yield from self._loop(seqs)
 
-    def _setup(self, capacity: int) -> None:
-        """Allocate the layouts for this run: `capacity` slots per row covers the longest prompt,
-        max_new_tokens and one round of drafts in flight."""
-        rows = self._rows_within_budget(self.spec.batch_size, capacity)
-        self.target_layout = make_layout(self.layout_kind, self.target, rows, capacity)
+    def _slots_for(self, prompt_len: int, params: SamplingParams) -> int:
+        """K/V slots one row needs: its prompt, max_new_tokens and one round of drafts in flight."""
+        return prompt_len + params.max_new_tokens + self.k + 1
+
+    def _setup(self, requests: int, capacity: int) -> None:
+        """Allocate the layouts for this run: rows for at most `requests` sequences at once,
+        `capacity` slots per row."""
+        rows = self._rows_within_budget(min(self.spec.batch_size, requests), capacity)
+        self.target_layout = self.layout_class(self.target, rows, capacity)
         self.drafter = self.custom_drafter
         if self.draft_model is not None:
-            self.drafter = ModelDrafter(make_layout(self.layout_kind, self.draft_model, rows, capacity))
+            self.drafter = ModelDrafter(self.layout_class(self.draft_model, rows, capacity))
 
     def _rows_within_budget(self, wanted: int, capacity: int) -> int:
         """Rows to allocate: `wanted`, fewer if `max_kv_slots` (rows x slots per row, per model)
-        cannot hold them, so admission never outgrows the memory the user granted."""
+        cannot hold them, so admission never outgrows the memory the user granted. (`validate`
+        already refused any prompt that does not fit one row.)"""
         budget = self.spec.max_kv_slots
-        if budget is None:
-            return wanted
-        if budget < capacity:
-            raise BatchspecError(
-                f"max_kv_slots {budget} cannot hold one row of {capacity} slots (longest prompt + "
-                f"max_new_tokens + drafts in flight)"
-            )
-        return min(wanted, budget // capacity)
+        return wanted if budget is None else max(1, min(wanted, budget // capacity))
 
     # ---- the loop -----------------------------------------------------------------------------
     def _loop(self, seqs: list[Sequence]) -> Iterator[Sequence]:
@@ -171,7 +196,7 @@ class Engine:
         t0 = _clock(self.target)
         k = 0
         if self.drafter is not None:
-            k = min(self.spec.num_draft_tokens, max(s.remaining for s in active) - 1)
+            k = min(self.k, max(s.remaining for s in active) - 1)
         pending = torch.tensor([s.tail(1) for s in active], dtype=torch.long, device=device)
         draft = Draft(torch.zeros((len(active), 0), dtype=torch.long, device=device), None)
         if k > 0:
@@ -191,8 +216,8 @@ class Engine:
             self.stats.generated += taken
         self._commit(active)
         self.stats.rounds += 1
-        if self.spec.check_invariants:
-            self._check(active)
+        if self.checker is not None:
+            self.checker(self._views(active), self.stats.rounds)
         t3 = _clock(self.target)
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
@@ -235,18 +260,12 @@ class Engine:
         active[:] = [active[i] for i in order]
         return finished
 
-    def _check(self, active: list[Sequence]) -> None:
-        """Invariants after a round, for the target and (if it is a model) the drafter."""
+    def _views(self, active: list[Sequence]) -> list[LayoutView]:
+        """What the invariant checker verifies after a round: the target's rows and the drafter's."""
         sample = sorted({self.stats.rounds % len(active), len(active) - 1})
-        check_layout(
-            self.target_layout, "target", self.stats.rounds,
-            [s.length - 1 for s in active], [s.tokens[:-1] for s in active], sample,
-        )
-        if isinstance(self.drafter, ModelDrafter):
-            layout: Layout = self.drafter.layout
-            valid = [min(int(n), s.length - 2) for n, s in zip(layout.lengths.tolist(), active)]
-            check_layout(layout, "drafter", self.stats.rounds, None,
-                         [s.tokens[:v] for s, v in zip(active, valid)], sample)
+        target = LayoutView("target", self.target_layout, [s.length - 1 for s in active],
+                            [s.tokens[:-1] for s in active], sample)
+        return [target] + (self.drafter.views(active, sample) if self.drafter is not None else [])
 
 
 def _clock(model: torch.nn.Module) -> float:

@@ -17,24 +17,25 @@ import torch
 
 from .drafters import Drafter, ModelDrafter
 from .engine import Engine
-from .forensics.invariants import check_layout
-from .layouts import Layout, PaddedLayout, RaggedLayout
+from .layouts import Layout, LayoutView, PaddedLayout, RaggedLayout
 from .sequence import Sequence
 
 
 class ExspecEngine(Engine):
     """Engine whose rounds run on groups chosen from a pool (`--method exspec`)."""
 
-    def _setup(self, capacity: int) -> None:
-        self.window_size = self._rows_within_budget(self.spec.window_size or 4 * self.spec.batch_size, capacity)
+    def _setup(self, requests: int, capacity: int) -> None:
+        wanted = min(self.spec.window_size or 4 * self.spec.batch_size, requests)
+        self.window_size = self._rows_within_budget(wanted, capacity)
         self.group_size = min(self.spec.batch_size, self.window_size)
         self.pool = RaggedLayout(self.target, self.window_size, capacity)
         self.target_layout = PaddedLayout(self.target, self.group_size, capacity)
         self.drafter = self.custom_drafter
-        self.draft_pool: RaggedLayout | None = None
         if self.draft_model is not None:
-            self.draft_pool = RaggedLayout(self.draft_model, self.window_size, capacity)
-            self.drafter = ModelDrafter(PaddedLayout(self.draft_model, self.group_size, capacity))
+            self.drafter = ModelDrafter(
+                PaddedLayout(self.draft_model, self.group_size, capacity),
+                pool=RaggedLayout(self.draft_model, self.window_size, capacity),
+            )
         self.stats.extra.update(grouped_rounds=0, fallback_rounds=0)
 
     def _loop(self, seqs: list[Sequence]) -> Iterator[Sequence]:
@@ -45,8 +46,7 @@ class ExspecEngine(Engine):
         while waiting or window:
             new = [waiting.popleft() for _ in range(min(self.window_size - len(window), len(waiting)))]
             if new:
-                pool_drafter = ModelDrafter(self.draft_pool) if self.draft_pool is not None else self.drafter
-                self._admit(new, self.pool, pool_drafter)
+                self._admit(new, self.pool, self.drafter)
                 window.extend(new)
             yield from self._retire(window)
             if not window:
@@ -79,34 +79,27 @@ class ExspecEngine(Engine):
 
     def _load(self, group: list[Sequence]) -> None:
         """Stack the group's pool rows into the working rectangles (target: all tokens but the
-        last; drafter: all but the last two, which it feeds first)."""
-        device = self.pool.device
-        lengths = torch.tensor([s.length for s in group], dtype=torch.long, device=device)
-        self.target_layout.load_rows(self.pool, self._group_rows, lengths - 1)
-        if self.draft_pool is not None:
-            self.drafter.layout.load_rows(self.draft_pool, self._group_rows, lengths - 2)
+        last, which it is fed first; the drafter takes its own share)."""
+        lengths = torch.tensor([s.length - 1 for s in group], dtype=torch.long, device=self.pool.device)
+        self.target_layout.load_rows(self.pool, self._group_rows, lengths)
+        if self.drafter is not None:
+            self.drafter.load(self._group_rows, group)
 
     def _commit(self, active: list[Sequence]) -> None:
         """Write the kept tokens straight back to the pool: no realignment inside the rectangle,
         which is rebuilt for whichever group runs next."""
-        device = self.pool.device
-        lengths = torch.tensor([s.length - 1 for s in active], dtype=torch.long, device=device)
+        lengths = torch.tensor([s.length - 1 for s in active], dtype=torch.long, device=self.pool.device)
         self.target_layout.save_rows(self.pool, self._group_rows, lengths)
-        if self.draft_pool is not None:
-            # the drafter fed every accepted draft but possibly not the last one: keep what is valid
-            layout = self.drafter.layout
-            layout.save_rows(self.draft_pool, self._group_rows, layout.lengths.clamp(max=lengths - 1))
+        if self.drafter is not None:
+            self.drafter.save(self._group_rows, active)
 
     def _row_holders(self) -> list[Layout | Drafter]:
         """Per-row state outlives a round only in the pools (the rectangles are rebuilt each round)."""
-        return [self.pool] + ([self.draft_pool] if self.draft_pool is not None else [])
+        return [self.pool] + ([self.drafter] if self.drafter is not None else [])
 
-    def _check(self, active: list[Sequence]) -> None:
-        """Invariants of the pools after the group's tokens went back."""
+    def _views(self, active: list[Sequence]) -> list[LayoutView]:
+        """The pools after the group's tokens went back, checked on the group's rows."""
         window, rows = self._window, self._group_rows.tolist()
-        check_layout(self.pool, "target pool", self.stats.rounds, [s.length - 1 for s in window],
-                     [s.tokens[:-1] for s in window], rows)
-        if self.draft_pool is not None:
-            valid = [min(int(n), s.length - 2) for n, s in zip(self.draft_pool.lengths.tolist(), window)]
-            check_layout(self.draft_pool, "drafter pool", self.stats.rounds, None,
-                         [s.tokens[:v] for s, v in zip(window, valid)], rows)
+        target = LayoutView("target pool", self.pool, [s.length - 1 for s in window],
+                            [s.tokens[:-1] for s in window], rows)
+        return [target] + (self.drafter.views(window, rows) if self.drafter is not None else [])

@@ -155,6 +155,11 @@ def num_layers(model: torch.nn.Module) -> int:
     return int(model.config.get_text_config().num_hidden_layers)
 
 
+def embedding_rows(model: torch.nn.Module) -> int:
+    """How many token ids the model can take as input (its embedding table's rows)."""
+    return int(model.get_input_embeddings().num_embeddings)
+
+
 def context_limit(model: torch.nn.Module) -> int | None:
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return int(limit) if limit else None

@@ -12,13 +12,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass, field, fields
 
-import torch
-
-from .config import BatchspecError, SamplingParams, SpecConfig
-from .drafters import Drafter
-from .engine import Engine, EngineStats, validate_prompt
-from .exspec import ExspecEngine
-from .forensics import broken
+from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
+from .engine import Engine, EngineStats
+from .methods import build_engine
 from .models import ModelPair, encode_prompt, eos_token_ids, load_pair
 from .sequence import Sequence
 
@@ -44,68 +40,57 @@ class RequestOutput:
         return asdict(self)
 
 
-Prompt = str | list[int]
-
-
-def build_engine(
-    target: torch.nn.Module,
-    spec: SpecConfig,
-    stop_ids: Iterable[int] = (),
-    draft_model: torch.nn.Module | None = None,
-    drafter: Drafter | None = None,
-    seed: int | None = None,
-) -> Engine:
-    """The engine for `spec.method`: EXSPEC schedules from a pool; the deliberately wrong methods
-    (opt-in, for audits) come from forensics.broken; everything else is the plain round loop."""
-    engine_class = ExspecEngine if spec.method == "exspec" else broken.ENGINES.get(spec.method, Engine)
-    return engine_class(target, spec, stop_ids, draft_model=draft_model, drafter=drafter, seed=seed)
+# Text (encoded with the model's tokenizer, chat template applied per ModelConfig) or token ids.
+Prompt = str | Seq[int]
 
 
 class LLM:
-    """A target (and drafter) plus a decoding method. Prompts may be text or token ids."""
+    """A target (and drafter) plus a decoding method. Prompts may be text or token ids.
+
+    `model` says which models to load (default: the bundled pair) and how to encode text; `models`
+    passes models already loaded (e.g. shared by several LLMs), in which case only `model`'s
+    encoding settings apply.
+    """
 
     def __init__(
         self,
-        target: str | None = None,
-        draft: str | None = None,
+        model: ModelConfig | None = None,
         spec: SpecConfig | None = None,
-        dtype: str = "float32",
-        draft_dtype: str | None = None,
-        device: str = "cpu",
-        chat_template: bool = True,
         models: ModelPair | None = None,
-        seed: int | None = None,
     ) -> None:
-        """`seed` makes unseeded sampled requests (rejection sampling) repeatable run to run;
-        requests with their own `SamplingParams.seed` are reproducible regardless."""
+        self.model_config = model or ModelConfig()
         self.spec = spec or SpecConfig()
-        self.models = models or load_pair(
-            target, draft, dtype=dtype, draft_dtype=draft_dtype, device=device, need_draft=self.spec.speculative
-        )
-        self.chat_template = chat_template
-        self.seed = seed
+        self.models = models or load_pair(self.model_config, need_draft=self.spec.speculative)
         self.stop_ids = eos_token_ids(self.models.target, self.models.tokenizer)
         self.stats = EngineStats()
 
     def make_engine(self) -> Engine:
-        return build_engine(self.models.target, self.spec, self.stop_ids, draft_model=self.models.draft, seed=self.seed)
+        return build_engine(self.models.target, self.spec, self.stop_ids, draft_model=self.models.draft)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """Text through the tokenizer (and chat template); token ids as given (the engine checks them)."""
         if isinstance(prompt, str):
-            return encode_prompt(self.models.tokenizer, prompt, self.chat_template)
+            return encode_prompt(self.models.tokenizer, prompt, self.model_config.chat_template)
+        if isinstance(prompt, bytes) or not isinstance(prompt, Iterable):
+            raise BatchspecError(f"a prompt must be text or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
-    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Every prompt's output, in input order."""
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Every prompt's output, in input order. A single string is one prompt."""
+        prompts = _as_list(prompts)
         done = {o.index: o for o in self.stream(prompts, params)}
         return [done[i] for i in range(len(prompts))]
 
     def stream(
-        self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield each request's output as soon as it finishes (refused prompts first)."""
+        """Yield each request's output as soon as it finishes (refused prompts first, each with its
+        `error`: a bad prompt never costs the others their outputs)."""
+        prompts = _as_list(prompts)
         params = params or SamplingParams()
-        per_request = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
+        per_request = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_request) != len(prompts):
             raise BatchspecError(f"{len(per_request)} sampling params for {len(prompts)} prompts")
         engine = self.make_engine()
@@ -114,10 +99,9 @@ class LLM:
         for i, prompt in enumerate(prompts):
             text = prompt if isinstance(prompt, str) else None
             try:
-                ids[i] = self.encode(prompt)
-                validate_prompt(ids[i], per_request[i], engine.limit)
+                ids[i] = engine.validate(self.encode(prompt), per_request[i])
             except BatchspecError as err:
-                yield RequestOutput(i, text, ids.get(i, []), error=str(err))
+                yield RequestOutput(i, text, [], error=str(err))
                 continue
             accepted.append(i)
         if not accepted:
@@ -151,3 +135,14 @@ class LLM:
                 setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(run, f.name))
         for name, value in run.extra.items():
             self.stats.extra[name] = self.stats.extra.get(name, 0) + value
+
+
+def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """A lone string (or a lone list of token ids) is one prompt, not a batch of characters."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]
+    return prompts
+

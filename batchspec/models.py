@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
-from .config import BatchspecError
+from .config import BatchspecError, ModelConfig
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -130,31 +130,21 @@ class ModelPair:
     tokenizer: PreTrainedTokenizerBase
 
 
-def load_pair(
-    target: str | None,
-    draft: str | None,
-    dtype: str = "float32",
-    draft_dtype: str | None = None,
-    device: str = "cpu",
-    need_draft: bool = True,
-) -> ModelPair:
-    """Load the target and (if ``need_draft``) the drafter, and check that they can be paired.
-
-    ``None`` for either source means the bundled model of that role. ``draft_dtype`` defaults to
-    ``dtype``. Both dtypes are validated before any (slow) loading starts.
-    """
-    parse_dtype(dtype)
-    draft_dtype = dtype if draft_dtype is None else draft_dtype
+def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
+    """Load the target and (if ``need_draft``) the drafter of ``config``, and check that they can
+    be paired. Both dtypes are validated before any (slow) loading starts."""
+    parse_dtype(config.dtype)
+    draft_dtype = config.dtype if config.draft_dtype is None else config.draft_dtype
     if need_draft:
         parse_dtype(draft_dtype)
-    target_model, target_tok = load_model(target, role="target", dtype=dtype, device=device)
+    target_model, target_tok = load_model(config.target, role="target", dtype=config.dtype, device=config.device)
     if not need_draft:
         return ModelPair(target=target_model, draft=None, tokenizer=target_tok)
-    draft_model, draft_tok = load_model(draft, role="draft", dtype=draft_dtype, device=device)
+    draft_model, draft_tok = load_model(config.draft, role="draft", dtype=draft_dtype, device=config.device)
     try:
         check_compatible(target_model, target_tok, draft_model, draft_tok)
     except BatchspecError as exc:
-        names = f"target {target or 'bundled'} and draft {draft or 'bundled'}"
+        names = f"target {config.target or 'bundled'} and draft {config.draft or 'bundled'}"
         raise BatchspecError(f"{names} cannot be paired: {exc}") from exc
     return ModelPair(target=target_model, draft=draft_model, tokenizer=target_tok)
 

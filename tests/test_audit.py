@@ -12,7 +12,7 @@ import torch
 from tinyworld import VOCAB_SIZE, WORDS, tiny_tokenizer
 
 from batchspec.cli import main
-from batchspec.config import SamplingParams, SpecConfig
+from batchspec.config import ModelConfig, SamplingParams, SpecConfig
 from batchspec.forensics import audit as audit_module
 from batchspec.forensics.audit import (
     EXACT,
@@ -166,7 +166,7 @@ def test_divergence_at_a_real_tie_is_fp_tie_and_a_wrong_token_is_sync_error() ->
 @pytest.fixture(scope="module")
 def llm(tiny_pair_dirs) -> LLM:
     target, draft = tiny_pair_dirs
-    return LLM(str(target), str(draft), spec=SpecConfig(num_draft_tokens=4))
+    return LLM(ModelConfig(str(target), str(draft)), spec=SpecConfig(num_draft_tokens=4))
 
 
 @pytest.mark.parametrize("method", ["ragged", "eqspec", "naive-kv", "naive-positions", "naive-bonus"])

@@ -16,11 +16,11 @@ from batchspec.bench.methods import MethodSpec, parse_batch_sizes, parse_methods
 from batchspec.bench.runner import ALL, BenchSettings, run_method
 from batchspec.bench.specbench import MT_BENCH_CATEGORIES, SPECBENCH_FILE, TASK_GROUPS, encode_prompts, select
 from batchspec.cli import main
-from batchspec.config import BatchspecError
+from batchspec.config import BatchspecError, ModelConfig
 from batchspec.models import load_pair
 
 METHODS = [
-    "ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2", "exspec@2", "hf@2", "hf-assisted@1", "naive-kv@2",
+    "ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+static@2", "exspec@2", "hf@2", "hf-assisted@1", "naive-kv@2",
 ]
 
 
@@ -67,7 +67,7 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
     pooled = by_name["exspec@2"]
     assert pooled["grouped_rounds"] + pooled["fallback_rounds"] > 0 and 0 <= pooled["grouping_rate"] <= 1
     assert "EXSPEC grouping" in stdout
-    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+continuous@2", "exspec@2"):
+    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+static@2", "exspec@2"):
         assert by_name[name]["exact_match"] == 1.0, (name, by_name[name]["divergences"])
         assert by_name[name]["divergent"] == by_name[name]["sync_errors"] == 0
     # the deliberately wrong method: fast maybe, but the audit calls its divergences what they are
@@ -101,7 +101,7 @@ def test_failing_method_becomes_an_error_row(tiny_pair_dirs, monkeypatch) -> Non
         raise NotImplementedError("pool scheduler\nsecond line")
 
     monkeypatch.setattr(runner, "run_engine", refuse)
-    models = load_pair(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]))
+    models = load_pair(ModelConfig(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1])))
     prompts = [BenchPrompt("0", "the a", None, None, (5, 6))]
     settings = BenchSettings(max_new_tokens=4, num_draft_tokens=2)
     result = run_method(models, MethodSpec("exspec", 2), prompts, {ALL: [0]}, settings, (1,),
@@ -111,11 +111,11 @@ def test_failing_method_becomes_an_error_row(tiny_pair_dirs, monkeypatch) -> Non
 
 
 def test_parse_methods() -> None:
-    specs = parse_methods("ragged+continuous@4, eqspec, exspec@4, hf, hf-assisted", [2, 4])
+    specs = parse_methods("ragged+static@4, eqspec, exspec@4, hf, hf-assisted", [2, 4])
     assert [s.name for s in specs] == [
-        "ar@1", "ragged+continuous@4", "eqspec@2", "eqspec@4", "exspec@4", "hf@2", "hf@4", "hf-assisted@1",
+        "ar@1", "ragged+static@4", "eqspec@2", "eqspec@4", "exspec@4", "hf@2", "hf@4", "hf-assisted@1",
     ]
-    assert specs[1] == MethodSpec("ragged", 4, "continuous")
+    assert specs[1] == MethodSpec("ragged", 4, "static")
     assert [s.name for s in parse_methods("ar@1,ar@1,ragged@2", [4])] == ["ar@1", "ragged@2"]
     assert parse_batch_sizes("1, 2,2,8") == [1, 2, 8]
     for bad in ("hf-assisted@2", "eqspec+continuous@4", "nope@2", "ragged@x", "ragged@0", "hf+continuous@2", ""):

@@ -26,7 +26,7 @@ from batchspec.distribution import (
     random_model,
     two_sample_chi2,
 )
-from batchspec.engine import Engine
+from batchspec.methods import build_engine
 from batchspec.models import tiny_model
 
 ALPHA = 0.01
@@ -189,8 +189,8 @@ def engine_world() -> tuple[torch.nn.Module, torch.nn.Module, list[int]]:
 
 def engine_samples(method: str, seed: int) -> list[list[int]]:
     target, draft, prompt = engine_world()
-    spec = SpecConfig(method=method, num_draft_tokens=2, batch_size=128)
-    engine = Engine(target, spec, draft_model=draft if spec.speculative else None, seed=seed)
+    spec = SpecConfig(method=method, num_draft_tokens=2, batch_size=128, generator_seed=seed)
+    engine = build_engine(target, spec, draft_model=draft if spec.speculative else None)
     return [s.generated for s in engine.generate([prompt] * ENGINE_SAMPLES, ENGINE_PARAMS)]
 
 

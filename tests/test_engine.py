@@ -10,8 +10,7 @@ from hypothesis import given, settings, strategies as st
 from tinyworld import VOCAB_SIZE, ScriptedDrafter, perturbed_copy, random_prompts
 
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
-from batchspec.engine import Engine
-from batchspec.llm import build_engine
+from batchspec.methods import build_engine
 from batchspec.forensics.invariants import InvariantError
 from batchspec.layouts import PaddedLayout, RaggedLayout
 from batchspec.models import tiny_model
@@ -127,7 +126,7 @@ def test_stop_token_inside_accepted_drafts(method):
     plain = oracle(arch, tuple(prompts[0]), max_new)
     stop = (plain[5],)
     truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
-    engine = Engine(target(arch), SpecConfig(method=method, num_draft_tokens=6, batch_size=4), stop,
+    engine = build_engine(target(arch), SpecConfig(method=method, num_draft_tokens=6, batch_size=4), stop,
                     drafter=ScriptedDrafter(truth, 1.0, VOCAB_SIZE))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert_matches_oracle(arch, prompts, outputs, max_new, stop)
@@ -149,7 +148,7 @@ def test_invariant_checker_catches_kept_rejected_drafts(monkeypatch):
     """A ragged layout that forgets to roll back rejected drafts is caught, with row and round."""
     monkeypatch.setattr(RaggedLayout, "commit", lambda self, lengths: None)
     spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=2, check_invariants=True)
-    engine = Engine(target("llama"), spec, draft_model=drafter("llama"))
+    engine = build_engine(target("llama"), spec, draft_model=drafter("llama"))
     with pytest.raises(InvariantError, match=r"target: row \d+, round 1: committed length"):
         engine.generate(random_prompts(2, [5, 7], seed=1), SamplingParams(max_new_tokens=10))
 
@@ -163,7 +162,7 @@ def test_invariant_checker_catches_skipped_realignment(monkeypatch):
 
     monkeypatch.setattr(PaddedLayout, "commit", commit_without_moving)
     spec = SpecConfig(method="eqspec", num_draft_tokens=4, batch_size=3, check_invariants=True)
-    engine = Engine(target("llama"), spec, draft_model=drafter("llama"))
+    engine = build_engine(target("llama"), spec, draft_model=drafter("llama"))
     with pytest.raises(InvariantError, match="differ from a fresh forward"):
         engine.generate(random_prompts(3, [5, 9, 2], seed=2), SamplingParams(max_new_tokens=16))
 
@@ -180,7 +179,7 @@ def test_finished_rows_stop_costing_compute(monkeypatch):
     monkeypatch.setattr(RaggedLayout, "forward", spy)
     prompts = random_prompts(3, [4, 6, 5], seed=9)
     params = [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=3)]
-    Engine(target("llama"), SpecConfig(num_draft_tokens=2, batch_size=3), draft_model=drafter("llama")).generate(prompts, params)
+    build_engine(target("llama"), SpecConfig(num_draft_tokens=2, batch_size=3), draft_model=drafter("llama")).generate(prompts, params)
     assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 1
 
 
@@ -189,7 +188,7 @@ def test_continuous_batching_answers_a_long_queue_in_order():
     prompts = random_prompts(23, [2, 9, 4, 15, 1, 7], seed=21)
     params = [SamplingParams(max_new_tokens=3 + (i * 7) % 13) for i in range(len(prompts))]
     spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, scheduler="continuous", check_invariants=True)
-    outputs = Engine(target("gpt2"), spec, draft_model=drafter("gpt2")).generate(prompts, params)
+    outputs = build_engine(target("gpt2"), spec, draft_model=drafter("gpt2")).generate(prompts, params)
     assert [s.index for s in outputs] == list(range(len(prompts)))
     for p, sp, seq in zip(prompts, params, outputs):
         assert seq.prompt_ids == p
@@ -202,7 +201,7 @@ def test_continuous_batching_answers_a_long_queue_in_order():
         (dict(method="ragged", num_draft_tokens=0), "num_draft_tokens must be >= 1"),
         (dict(batch_size=0), "batch_size must be >= 1"),
         (dict(method="medusa"), "unknown method"),
-        (dict(method="eqspec", scheduler="continuous"), "continuous scheduler needs per-row cursors"),
+        (dict(method="eqspec", scheduler="continuous"), "continuous batching needs per-row cursors"),
     ],
 )
 def test_bad_spec_is_one_clear_error(kwargs, message):
@@ -218,7 +217,7 @@ def test_bad_sampling_params_are_clear_errors():
 
 
 def test_engine_rejects_empty_and_overlong_prompts():
-    engine = Engine(target("gpt2"), SpecConfig(num_draft_tokens=2), draft_model=drafter("gpt2"))
+    engine = build_engine(target("gpt2"), SpecConfig(num_draft_tokens=2), draft_model=drafter("gpt2"))
     with pytest.raises(BatchspecError, match="empty prompt"):
         engine.generate([[]], SamplingParams(max_new_tokens=4))
     with pytest.raises(BatchspecError, match="exceeds the model's context of 512"):
@@ -228,7 +227,7 @@ def test_engine_rejects_empty_and_overlong_prompts():
 def test_near_context_end_drafts_do_not_overflow_absolute_positions():
     """GPT-2 has 512 learned positions: drafts past max_new_tokens must not index beyond them."""
     prompt = random_prompts(1, [500], seed=4)[0]
-    engine = Engine(target("gpt2"), SpecConfig(num_draft_tokens=6, batch_size=1), draft_model=drafter("gpt2"))
+    engine = build_engine(target("gpt2"), SpecConfig(num_draft_tokens=6, batch_size=1), draft_model=drafter("gpt2"))
     out = engine.generate([prompt], SamplingParams(max_new_tokens=12))
     assert out[0].generated == oracle("gpt2", tuple(prompt), 12)
 
@@ -265,6 +264,6 @@ def test_kv_budget_bounds_rows_in_flight(monkeypatch):
     assert max(rows_per_forward) == 2
     for p, seq in zip(prompts, outputs):
         assert seq.generated == oracle("qwen2", tuple(p), 10)
-    with pytest.raises(BatchspecError, match="cannot hold one row"):
+    with pytest.raises(BatchspecError, match="needs 22 K/V slots, more than max_kv_slots 21"):
         tight = SpecConfig(method="ragged", num_draft_tokens=3, max_kv_slots=capacity - 1)
         build_engine(target("qwen2"), tight, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=10))

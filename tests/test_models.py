@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from batchspec import bundled
 from batchspec.bundled import BUNDLED, BundledModel, bundled_installed, cache_dir, converted_dir, join_chunks
-from batchspec.config import BatchspecError
+from batchspec.config import BatchspecError, ModelConfig
 from batchspec.kv import context_limit
 from batchspec.models import (
     TINY_ARCHS,
@@ -341,7 +341,7 @@ def test_bad_dtype(dtype: str) -> None:
     with pytest.raises(BatchspecError, match="unknown dtype"):
         load_model("/nonexistent", dtype=dtype)
     with pytest.raises(BatchspecError, match="unknown dtype"):
-        load_pair("/nonexistent", "/nonexistent", draft_dtype=dtype)
+        load_pair(ModelConfig("/nonexistent", "/nonexistent", draft_dtype=dtype))
 
 
 def test_bad_device(saved_llama: Path) -> None:
@@ -374,17 +374,17 @@ def test_pair_compatible_and_incompatible(tmp_path: Path, saved_llama: Path, tok
     draft = tmp_path / "draft"
     tiny_model("qwen2", seed=4, layers=1).save_pretrained(draft)
     tokenizer.save_pretrained(draft)
-    pair = load_pair(str(saved_llama), str(draft), draft_dtype="bf16")
+    pair = load_pair(ModelConfig(str(saved_llama), str(draft), draft_dtype="bf16"))
     assert pair.draft is not None and pair.draft.dtype == torch.bfloat16
     assert pair.target.dtype == torch.float32
     assert pair.tokenizer.get_vocab() == tokenizer.get_vocab()
-    assert load_pair(str(saved_llama), None, need_draft=False).draft is None
+    assert load_pair(ModelConfig(str(saved_llama)), need_draft=False).draft is None
 
     other = tmp_path / "other"
     tiny_model("qwen2", seed=4).save_pretrained(other)
     train_tokenizer([f"v{i}" for i in range(80)]).save_pretrained(other)
     with pytest.raises(BatchspecError, match=r"cannot be paired: tokenizer vocabularies differ \(83 vs 83 tokens, 160 token->id"):
-        load_pair(str(saved_llama), str(other))
+        load_pair(ModelConfig(str(saved_llama), str(other)))
 
 
 def test_check_compatible_lm_head(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -462,7 +462,7 @@ def test_real_bundled_pair() -> None:
         if os.environ.get("BATCHSPEC_REQUIRE_REAL") == "1":
             pytest.fail(message)
         pytest.skip(message)
-    pair = load_pair(None, None)
+    pair = load_pair(ModelConfig())
     assert pair.draft is not None
     eos = eos_token_ids(pair.target, pair.tokenizer)
     assert set(pair.tokenizer.convert_ids_to_tokens(list(eos))) == {"<|im_end|>", "<|endoftext|>"}

@@ -15,7 +15,7 @@ import torch
 
 from batchspec.bench.specbench import SPECBENCH_FILE, task_group
 from batchspec.bundled import bundled_installed
-from batchspec.config import SamplingParams, SpecConfig
+from batchspec.config import ModelConfig, SamplingParams, SpecConfig
 from batchspec.llm import LLM
 from batchspec.models import encode_prompt, load_pair
 from batchspec.prompts import load_prompts
@@ -40,7 +40,7 @@ def pair():
         if os.environ.get("BATCHSPEC_REQUIRE_REAL") == "1":
             pytest.fail("bundled model pair not installed (run `make setup`)")
         pytest.skip("bundled model pair not installed (run `make setup`)")
-    return load_pair(None, None)
+    return load_pair(ModelConfig())
 
 
 @functools.cache

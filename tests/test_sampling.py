@@ -4,6 +4,7 @@ plain seeded sampling, isolation of rules within a batch, and the CLI's sampling
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
@@ -15,7 +16,7 @@ from batchspec import acceptance, sampling
 from batchspec.cli import main as cli_main
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.drafters import Draft, Drafter, ModelDrafter, Picker, pick_argmax
-from batchspec.engine import Engine
+from batchspec.methods import build_engine
 from batchspec.layouts import make_layout
 from batchspec.models import tiny_model
 from batchspec.reference import greedy_decode, reference_decode
@@ -46,7 +47,7 @@ def run(
     drafter: Drafter | None = None,
     seed: int | None = 0,
 ) -> list[list[int]]:
-    engine = Engine(target, spec, STOP, draft_model=draft_model, drafter=drafter, seed=seed)
+    engine = build_engine(target, replace(spec, generator_seed=seed), STOP, draft_model=draft_model, drafter=drafter)
     return [s.generated for s in engine.generate(prompts, params)]
 
 
@@ -246,7 +247,8 @@ def test_drafter_uses_the_targets_noise_and_positions():
     for seed in (5, None):
         params = [SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=None if seed is None else seed + i)
                   for i in range(4)]
-        engine = Engine(target, SpecConfig(method="ragged", num_draft_tokens=4, batch_size=4), draft_model=target, seed=0)
+        engine = build_engine(target, SpecConfig(method="ragged", num_draft_tokens=4, batch_size=4, generator_seed=0),
+                              draft_model=target)
         engine.generate(prompts, params)
         assert engine.stats.drafted > 0 and engine.stats.accepted == engine.stats.drafted
 

@@ -4,28 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import BROKEN_METHODS, METHODS, SCHEDULERS, BatchspecError
+from ..config import BatchspecError
+from ..methods import METHODS, SCHEDULERS
 
 HF_PLAIN = "hf"
 HF_ASSISTED = "hf-assisted"
 BASELINES = (HF_PLAIN, HF_ASSISTED)
 # engine methods, the deliberately wrong ones included: they put the "fast but wrong" plot to work
-KNOWN = METHODS + BROKEN_METHODS + BASELINES
+KNOWN = (*METHODS, *BASELINES)
 DEFAULT_METHODS = "ar@1,ar,eqspec,ragged"
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One measured configuration. `method` is an engine method or an HF baseline."""
+    """One measured configuration. `method` is an engine method or an HF baseline; `scheduler`
+    None means the method's default (as in `generate`); HF baselines have none."""
 
     method: str
     batch_size: int
-    scheduler: str = "static"
+    scheduler: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler is None and self.method in METHODS:
+            object.__setattr__(self, "scheduler", METHODS[self.method].default_scheduler)
 
     @property
     def family(self) -> str:
-        """The label without the batch size: one line per family in the throughput plot."""
-        return self.method if self.scheduler == "static" else f"{self.method}+{self.scheduler}"
+        """The label without the batch size: one line per family in the throughput plot. The
+        scheduler is named only where it is not the method's default."""
+        if self.method not in METHODS or self.scheduler == METHODS[self.method].default_scheduler:
+            return self.method
+        return f"{self.method}+{self.scheduler}"
 
     @property
     def name(self) -> str:
@@ -38,7 +47,7 @@ class MethodSpec:
 
     @property
     def speculative(self) -> bool:
-        return self.method not in ("ar", HF_PLAIN)
+        return self.method != HF_PLAIN and (self.method not in METHODS or METHODS[self.method].speculative)
 
 
 BASELINE_SPEC = MethodSpec("ar", 1)
@@ -46,16 +55,17 @@ BASELINE_SPEC = MethodSpec("ar", 1)
 
 def _parse_one(item: str, batch_sizes: list[int]) -> list[MethodSpec]:
     head, at, size = item.partition("@")
-    method, plus, scheduler = head.partition("+")
-    scheduler = scheduler if plus else "static"
+    method, plus, scheduler_name = head.partition("+")
+    scheduler = scheduler_name if plus else None
     if method not in KNOWN:
         raise BatchspecError(f"unknown method {method!r} in {item!r}; choose one of {', '.join(KNOWN)}")
-    if scheduler not in SCHEDULERS:
-        raise BatchspecError(f"unknown scheduler {scheduler!r} in {item!r}; choose one of {', '.join(SCHEDULERS)}")
-    if method in BASELINES and scheduler != "static":
+    if scheduler is not None and method in BASELINES:
         raise BatchspecError(f"{method} has no scheduler choice ({item!r})")
-    if scheduler == "continuous" and method not in ("ar", "ragged"):
-        raise BatchspecError(f"the continuous scheduler needs per-row cursors: ar or ragged, not {method} ({item!r})")
+    if scheduler is not None and scheduler not in SCHEDULERS:
+        raise BatchspecError(f"unknown scheduler {scheduler!r} in {item!r}; choose one of {', '.join(SCHEDULERS)}")
+    if scheduler is not None and scheduler not in METHODS[method].schedulers:
+        raise BatchspecError(f"{method} supports the {' and '.join(METHODS[method].schedulers)} scheduler(s), "
+                             f"not {scheduler} ({item!r})")
     if at:
         try:
             sizes = [int(size)]

@@ -126,7 +126,7 @@ def run_engine(
         window_size=settings.window_size if spec.method == "exspec" else None,
         sort_by_length=settings.sort_by_length if spec.method == "exspec" else False,
     )
-    llm = LLM(spec=config, models=models, chat_template=False)  # prompts arrive encoded
+    llm = LLM(spec=config, models=models)  # prompts arrive encoded
     rows: dict[int, RowResult] = {}
     with _bar(len(prompts), desc) as bar:
         start = time.perf_counter()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import BROKEN_METHODS, METHODS, SCHEDULERS, SamplingParams, SpecConfig
+from ..config import ModelConfig, SamplingParams, SpecConfig
 from ..llm import LLM
+from ..methods import METHODS, SCHEDULERS, method_help
 from ..models import ModelPair, load_pair
 
 
@@ -21,16 +22,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_decoding_arguments(p: argparse.ArgumentParser, method_default: str = "ragged") -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--method", default=method_default, choices=METHODS + BROKEN_METHODS,
-                   help="ar: plain decoding; eqspec: left-padded, realigned every round (the paper); ragged: "
-                   "per-row KV cursors; exspec: sequence pool with same-length groups. "
-                   f"{', '.join(BROKEN_METHODS)} are deliberately wrong (for audits only)")
+    g.add_argument("--method", default=method_default, choices=list(METHODS), help=method_help())
     g.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=4,
                    help="rows decoded together (with --scheduler continuous: the most sequences in flight)")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=5)
     g.add_argument("--scheduler", choices=SCHEDULERS,
                    help="static: whole batches; continuous: refill a finished row's slot at once "
-                   "(default: continuous for ragged, static otherwise)")
+                   "(default: the method's own, " + ", ".join(f"{n} {m.default_scheduler}" for n, m in METHODS.items()
+                                                               if not m.deliberately_wrong) + ")")
     g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window (default 4x batch size)")
     g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
     g.add_argument("--max-kv-slots", type=int, help="K/V budget per model, in token slots (rows x slots per row); "
@@ -76,11 +75,15 @@ def params_for(args: argparse.Namespace, count: int) -> list[SamplingParams]:
     ]
 
 
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(target=args.target, draft=getattr(args, "draft", None), dtype=args.dtype,
+                       draft_dtype=getattr(args, "draft_dtype", None), device=args.device,
+                       chat_template=not args.no_chat_template)
+
+
 def load_models(args: argparse.Namespace, need_draft: bool) -> ModelPair:
-    return load_pair(
-        args.target, args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device, need_draft=need_draft
-    )
+    return load_pair(model_config(args), need_draft=need_draft)
 
 
 def make_llm(args: argparse.Namespace, models: ModelPair, spec: SpecConfig) -> LLM:
-    return LLM(spec=spec, models=models, chat_template=not args.no_chat_template)
+    return LLM(model_config(args), spec=spec, models=models)

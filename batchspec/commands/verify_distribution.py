@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -23,6 +24,7 @@ from tqdm import tqdm
 from ..config import BatchspecError, SamplingParams
 from ..distribution import compare_positions, exact_rejection_check
 from ..engine import Engine
+from ..methods import build_engine
 from ..prompts import load_prompts
 from .common import add_decoding_arguments, add_model_arguments, load_models, make_llm, spec_from_args
 
@@ -100,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
     rows, drafted, accepted = [], 0, 0
     for n, text in enumerate(texts):
         ids = llm.encode(text)
-        plain = Engine(models.target, plain_spec, llm.stop_ids, seed=args.seed + 2 * n)
-        speculative = Engine(models.target, spec, llm.stop_ids, draft_model=models.draft, seed=args.seed + 2 * n + 1)
+        plain = build_engine(models.target, replace(plain_spec, generator_seed=args.seed + 2 * n), llm.stop_ids)
+        speculative = build_engine(models.target, replace(spec, generator_seed=args.seed + 2 * n + 1), llm.stop_ids,
+                                   draft_model=models.draft)
         plain_samples = _sample(plain, ids, params, args.samples, f"prompt {n} plain")
         spec_samples = _sample(speculative, ids, params, args.samples, f"prompt {n} {spec.method}")
         drafted += speculative.stats.drafted

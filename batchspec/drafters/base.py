@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layouts.base import LayoutView
 from ..sequence import Sequence
 
 # Turns one step of drafter logits [b, vocab] into tokens [b]; `step` is the draft index within the
@@ -26,7 +27,12 @@ class Draft:
 
 
 class Drafter(ABC):
-    """Keeps whatever per-row state it needs in the same row order as the engine's active rows."""
+    """Keeps whatever per-row state it needs in the same row order as the engine's rows.
+
+    The engine drives it through this interface only: `add` rows, `propose` drafts, `drop` finished
+    rows, and, for engines whose rows live in a pool between rounds (EXSPEC), `load` the round's rows
+    from the pool and `save` them back. A drafter that keeps state it can check exposes it in `views`.
+    """
 
     @abstractmethod
     def add(self, seqs: list[Sequence]) -> None:
@@ -39,3 +45,13 @@ class Drafter(ABC):
     @abstractmethod
     def drop(self, keep: list[bool]) -> list[int]:
         """Remove rows, mirroring the target layout's `drop` (same order returned)."""
+
+    def load(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Pool engines: make pool rows `rows` (holding `seqs`) the rows of the next `propose`."""
+
+    def save(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Pool engines: write the round's rows back to pool rows `rows` after acceptance."""
+
+    def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
+        """What the invariant checker should verify of this drafter's state (nothing by default)."""
+        return []

@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import torch
 
-from ..layouts import Layout
+from ..layouts import Layout, LayoutView
 from ..sequence import Sequence
 from .base import Draft, Drafter, Picker, pick_argmax
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, layout: Layout) -> None:
+    """Rows live in `pool` between rounds when one is given (EXSPEC), else in `layout` itself;
+    rounds always run on `layout`."""
+
+    def __init__(self, layout: Layout, pool: Layout | None = None) -> None:
         self.layout = layout
+        self.pool = pool
+
+    @property
+    def _home(self) -> Layout:
+        return self.pool if self.pool is not None else self.layout
 
     def add(self, seqs: list[Sequence]) -> None:
-        self.layout.prefill([s.prompt_ids for s in seqs])
+        self._home.prefill([s.prompt_ids for s in seqs])
 
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         device = self.layout.device
@@ -37,4 +45,25 @@ class ModelDrafter(Drafter):
         return Draft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1))
 
     def drop(self, keep: list[bool]) -> list[int]:
-        return self.layout.drop(keep)
+        return self._home.drop(keep)
+
+    def load(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
+        """All but the last two tokens of each row: `propose` feeds those two first."""
+        if self.pool is not None:
+            lengths = torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
+            self.layout.load_rows(self.pool, rows, lengths)
+
+    def save(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Only K/V of accepted tokens is valid, and the drafter may have fed rejected drafts beyond
+        them: keep at most all but the last two tokens (what the next `load` takes anyway)."""
+        if self.pool is not None:
+            valid = torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
+            self.layout.save_rows(self.pool, rows, self.layout.lengths.clamp(max=valid))
+
+    def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
+        """Its cached K/V must hold each row's tokens up to what it last fed (at most all but the
+        last two, which the next round feeds again); its commits are lazy, so lengths are not pinned."""
+        home = self._home
+        valid = [min(int(n), s.length - 2) for n, s in zip(home.lengths.tolist(), seqs)]
+        name = "drafter pool" if self.pool is not None else "drafter"
+        return [LayoutView(name, home, None, [s.tokens[:v] for s, v in zip(seqs, valid)], sample_rows)]

@@ -13,8 +13,8 @@ engine with exactly one thing broken:
 - `naive-bonus`: at the first rejected draft the row emits the drafter's token instead of the
   target's correction (DSD's "bonus sampled from the draft").
 
-Importing this module registers the two broken layouts in `batchspec.layouts.LAYOUTS`; the
-methods are mapped to them in `METHOD_LAYOUT`.
+The method registry (`batchspec.methods`) names these classes; this module is imported only when
+one of these methods is built.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import torch
 from ..drafters import Draft
 from ..engine import Engine
 from ..kv import SlotStore
-from ..layouts import LAYOUTS
 from ..layouts.ragged import RaggedLayout
 from ..sequence import Sequence
 
@@ -96,12 +95,3 @@ class DrafterBonusEngine(Engine):
         k = draft.tokens.shape[1]
         return torch.cat([draft.tokens, tokens[:, k:]], dim=1), count
 
-
-LAYOUTS.update({"naive-kv": KeptRejectedKVLayout, "naive-positions": SharedPositionLayout})
-
-# The engine class each deliberately wrong method runs on (`batchspec.llm.LLM.make_engine`).
-ENGINES: dict[str, type[Engine]] = {
-    "naive-kv": Engine,
-    "naive-positions": Engine,
-    "naive-bonus": DrafterBonusEngine,
-}

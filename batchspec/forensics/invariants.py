@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import prefix_kv
-from ..layouts import Layout
+from ..layouts import Layout, LayoutView
 
 
 class InvariantError(AssertionError):
@@ -71,3 +71,9 @@ def check_layout(
         err = (cached - fresh).abs().max().item()
         if err > _tolerance(layout.store.data.dtype) * scale:
             fail(row, f"cached K/V differ from a fresh forward of the prefix (max abs error {err:.3g})")
+
+
+def check_views(views: list[LayoutView], round_index: int) -> None:
+    """The engine's per-round hook (injected by `batchspec.methods.build_engine`): check every view."""
+    for view in views:
+        check_layout(view.layout, view.name, round_index, view.expected_lengths, view.prefixes, view.sample_rows)

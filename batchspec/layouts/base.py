@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -85,6 +86,22 @@ class Layout(ABC):
 
     def _reorder(self, index: torch.Tensor) -> None:
         """Reorder per-row state beyond `lengths` (subclasses with more state override)."""
+
+
+@dataclass
+class LayoutView:
+    """What the invariant checker verifies of one layout after a round.
+
+    expected_lengths: each row's committed length (None where commits are lazy, as for drafters);
+    prefixes[b]: token ids whose K/V row b must hold; sample_rows: rows whose K/V is recomputed and
+    compared (a forward per row, so only a sample).
+    """
+
+    name: str
+    layout: Layout
+    expected_lengths: list[int] | None
+    prefixes: list[list[int]]
+    sample_rows: list[int]
 
 
 def swap_remove_order(keep: list[bool]) -> list[int]:

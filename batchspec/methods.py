@@ -1,0 +1,111 @@
+"""Every decoding method in one table, and the one factory that turns a SpecConfig into an engine.
+
+Configuration checks (`config.py`), the CLI's choices and help, the bench's method specs and
+`build_engine` all read this table, so a method is added (or its default scheduler changed) in
+one place. Classes are named as "module:Class" and imported only when an engine is built: the table
+stays importable from `config.py` without torch, and the deliberately wrong methods' code
+(`batchspec.forensics.broken`) is loaded only when one of them is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import SpecConfig
+    from .drafters import Drafter
+    from .engine import Engine
+
+SCHEDULERS = ("static", "continuous")
+
+_RAGGED = "batchspec.layouts.ragged:RaggedLayout"
+_PADDED = "batchspec.layouts.padded:PaddedLayout"
+_ENGINE = "batchspec.engine:Engine"
+_BROKEN = "batchspec.forensics.broken"
+
+
+def _resolve(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding method: the layout its rows live in, the engine that runs its rounds, and the
+    schedulers it supports (the first is its default, everywhere)."""
+
+    name: str
+    summary: str
+    layout: str  # "module:Class" of the Layout holding each model's rows
+    engine: str = _ENGINE  # "module:Class" of the Engine running the rounds
+    speculative: bool = True
+    schedulers: tuple[str, ...] = ("static",)
+    deliberately_wrong: bool = False
+
+    @property
+    def default_scheduler(self) -> str:
+        return self.schedulers[0]
+
+    def layout_class(self) -> type:
+        return _resolve(self.layout)
+
+    def engine_class(self) -> type:
+        return _resolve(self.engine)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("ar", "plain decoding, one token per row per forward (the baseline)", _RAGGED,
+               speculative=False, schedulers=("static", "continuous")),
+        Method("eqspec", "left-padded rectangle realigned after every round (the paper's EQSPEC)", _PADDED),
+        Method("ragged", "per-row KV cursors: commit moves a cursor, nothing is ever realigned", _RAGGED,
+               schedulers=("continuous", "static")),
+        Method("exspec", "sequence pool; each round runs a same-length group when one exists (the paper's EXSPEC)",
+               _PADDED, engine="batchspec.exspec:ExspecEngine"),
+        Method("naive-kv", "DELIBERATELY WRONG: rejected drafts' K/V stay in the cache",
+               f"{_BROKEN}:KeptRejectedKVLayout", deliberately_wrong=True),
+        Method("naive-positions", "DELIBERATELY WRONG: one position counter shared by the whole batch",
+               f"{_BROKEN}:SharedPositionLayout", deliberately_wrong=True),
+        Method("naive-bonus", "DELIBERATELY WRONG: the token after a rejection is the drafter's",
+               _RAGGED, engine=f"{_BROKEN}:DrafterBonusEngine", deliberately_wrong=True),
+    )
+}
+
+
+def correct_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if not m.deliberately_wrong]
+
+
+def wrong_methods() -> list[str]:
+    return [name for name, m in METHODS.items() if m.deliberately_wrong]
+
+
+def method_help() -> str:
+    """One line per method, for the CLI."""
+    return "; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
+
+
+def build_engine(
+    target: torch.nn.Module,
+    spec: SpecConfig,
+    stop_ids: Iterable[int] = (),
+    draft_model: torch.nn.Module | None = None,
+    drafter: Drafter | None = None,
+) -> Engine:
+    """The engine for `spec.method`, with the method's layout, and the per-round invariant checker
+    injected when `spec.check_invariants` asks for it (the engine itself knows nothing of forensics)."""
+    method = METHODS[spec.method]
+    checker = None
+    if spec.check_invariants:
+        from .forensics.invariants import check_views
+
+        checker = check_views
+    return method.engine_class()(
+        target, spec, method.layout_class(), stop_ids, draft_model=draft_model, drafter=drafter, checker=checker
+    )
