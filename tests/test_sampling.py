@@ -38,6 +38,19 @@ def oracle(target: torch.nn.Module, prompts: list[list[int]], params: list[Sampl
     return [reference_decode(target, p, sp, STOP) for p, sp in zip(prompts, params)]
 
 
+@torch.inference_mode()
+def outside_support(target: torch.nn.Module, prompt: list[int], output: list[int], params: SamplingParams) -> list[int]:
+    """Positions where an unseeded sample is a token plain sampling could never emit there: outside
+    the target's filtered (temperature, top-k, top-p) support given the output before it, after a
+    stop token, or past max_new_tokens. Rejection sampling has no single right answer, but this set
+    must be empty."""
+    assert 1 <= len(output) <= params.max_new_tokens
+    logits = target(input_ids=torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    allowed = sampling.filter_logits(logits, [params] * len(output)) > float("-inf")
+    bad = [t for t, token in enumerate(output) if not allowed[t, token]]
+    return bad + [t for t, token in enumerate(output[:-1]) if token in STOP]
+
+
 def run(
     target: torch.nn.Module,
     prompts: list[list[int]],
@@ -223,7 +236,7 @@ def test_coupled_output_depends_only_on_the_request():
 def test_rules_do_not_disturb_each_other_in_one_batch():
     target, draft = pair("llama")
     prompts = random_prompts(6, [5, 8], seed=4, vocab=VOCAB)
-    params = [SamplingParams(max_new_tokens=15), SamplingParams(max_new_tokens=15, temperature=1.0),
+    params = [SamplingParams(max_new_tokens=15), SamplingParams(max_new_tokens=15, temperature=1.0, top_p=0.6),
               SamplingParams(max_new_tokens=15, temperature=0.8, seed=3), SamplingParams(max_new_tokens=15),
               SamplingParams(max_new_tokens=15, temperature=1.3, top_k=10), SamplingParams(max_new_tokens=15, temperature=0.5, seed=4)]
     for method in ("ragged", "eqspec"):
@@ -234,8 +247,7 @@ def test_rules_do_not_disturb_each_other_in_one_batch():
             elif sp.seed is not None:
                 assert out == reference_decode(target, prompt, sp, STOP)
             else:
-                assert 1 <= len(out) <= sp.max_new_tokens and all(0 <= t < VOCAB for t in out)
-                assert all(t not in STOP for t in out[:-1])
+                assert outside_support(target, prompt, out, sp) == []
 
 
 def test_drafter_uses_the_targets_noise_and_positions():
@@ -265,14 +277,23 @@ def test_rejection_runs_are_repeatable_with_an_engine_seed():
 
 
 def test_rejection_accepts_drafters_without_probabilities():
-    """A drafter that reports no q is treated as a point mass, which keeps the rule exact."""
+    """A drafter that reports no q is treated as a point mass, which keeps the rule exact: samples
+    stay inside the target's filtered support, drafts the target likes are accepted, and at a
+    temperature so low that the target is all but certain, the output is its greedy path even
+    though 30% of the drafts are wrong."""
     target, _ = pair("llama")
     prompts = random_prompts(3, [4], seed=6, vocab=VOCAB)
-    params = [SamplingParams(max_new_tokens=10, temperature=0.8)] * 3
     greedy = [greedy_decode(target, p, 10, STOP) for p in prompts]
-    scripted = ScriptedDrafter({tuple(p): g for p, g in zip(prompts, greedy)}, 0.7, VOCAB)
-    out = run(target, prompts, params, SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3), drafter=scripted)
-    assert all(1 <= len(o) <= 10 for o in out)
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3)
+    for temperature, top_k in ((0.8, 5), (0.001, 0)):
+        params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k)
+        scripted = ScriptedDrafter({tuple(p): g for p, g in zip(prompts, greedy)}, 0.7, VOCAB)
+        engine = build_engine(target, replace(spec, generator_seed=1), STOP, drafter=scripted)
+        out = [s.generated for s in engine.generate(prompts, params)]
+        assert all(outside_support(target, p, o, params) == [] for p, o in zip(prompts, out))
+        assert 0 < engine.stats.accepted < engine.stats.drafted
+        if temperature < 0.1:
+            assert out == greedy
 
 
 def test_unseeded_sampling_has_no_reference_output():
