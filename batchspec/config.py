@@ -50,6 +50,7 @@ class SpecConfig:
     window_size: int | None = None
     sort_by_length: bool = False
     max_kv_slots: int | None = None
+    max_prefill_tokens: int | None = None
     generator_seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -73,6 +74,10 @@ class SpecConfig:
             raise BatchspecError(f"num_draft_tokens must be >= 1 for speculative methods, got {self.num_draft_tokens}")
         if self.batch_size < 1:
             raise BatchspecError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise BatchspecError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_prefill_tokens is not None and self.scheduler != "continuous":
+            raise BatchspecError("max_prefill_tokens (chunked prefill) needs the continuous scheduler")
         if self.max_kv_slots is not None and self.max_kv_slots < 1:
             raise BatchspecError(f"max_kv_slots must be >= 1, got {self.max_kv_slots}")
         if self.window_size is not None and self.window_size < self.batch_size:

@@ -1,7 +1,9 @@
-"""The round loop: schedule -> draft -> verify -> accept -> commit, and where the time went.
+"""The engine: requests in, rounds of schedule -> draft -> verify -> accept -> commit, sequences out.
 
-Nothing model-specific lives here: layouts own positions/masks/KV, drafters own proposals,
-acceptance rules own the math.
+A step API in the shape of vLLM's engine (`add_request`, `step`, `abort`, `has_unfinished`) that the
+offline `generate`/`stream`, the Python API, the CLI and the server all run on. Nothing model-specific
+lives here: layouts own positions/masks/KV, drafters own proposals, acceptance rules own the math,
+and a scheduling policy (`batchspec.scheduler`) decides which requests get rows and which rows run.
 """
 
 from __future__ import annotations
@@ -10,16 +12,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-
 from numbers import Integral
 
 import torch
 
 from . import sampling
 from .config import BatchspecError, SamplingParams, SpecConfig
-from .drafters import Draft, Drafter, ModelDrafter, Picker
+from .drafters import Draft, Drafter, ModelDrafter
 from .kv import check_supported, context_limit, embedding_rows
-from .layouts import Layout, LayoutView
+from .layouts import Layout, LayoutView, PaddedLayout, RaggedLayout
+from .scheduler import make_scheduler
 from .sequence import Sequence
 
 # Called after every round with what to verify and the round's number; raises on a broken invariant.
@@ -39,6 +41,8 @@ class EngineStats:
     drafted: int = 0
     accepted: int = 0
     generated: int = 0
+    prefill_tokens: int = 0  # prompt tokens prefilled (target)
+    prefill_fed: int = 0  # token positions the target's prefill forwards computed (prompt + padding)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -62,8 +66,13 @@ def validate_prompt(prompt_ids: list[int], params: SamplingParams, limit: int | 
 
 
 class Engine:
-    """Decodes batches of token-id prompts with one target and (optionally) one drafter, the rows of
-    each model kept in a `layout` (chosen by the method registry, `batchspec.methods`)."""
+    """Decodes token-id requests with one target and (optionally) one drafter, the rows of each
+    model kept in a `layout` (chosen by the method registry, `batchspec.methods`).
+
+    Rows live in `home` layouts between rounds. Most policies run every row each round, on the home
+    layout itself; a pooled policy (EXSPEC) keeps a ragged pool at home and runs each round on a
+    group loaded into a `layout` rectangle, then writes the group back.
+    """
 
     def __init__(
         self,
@@ -86,6 +95,7 @@ class Engine:
         self.spec = spec
         self.layout_class = layout
         self.checker = checker
+        self.scheduler = make_scheduler(spec)
         self.stop_ids = frozenset(stop_ids)
         self.stats = EngineStats()
         self.k = spec.num_draft_tokens if spec.speculative else 0
@@ -97,8 +107,15 @@ class Engine:
         models = [m for m in (target, self.draft_model) if m is not None]
         self.limit = min((x for x in map(context_limit, models) if x is not None), default=None)
         self.vocab = min(embedding_rows(m) for m in models)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in the home layout's row order
+        self.staging: Sequence | None = None  # a prompt being prefilled in chunks
+        self.staged = 0  # how much of it is in
+        self.capacity: int | None = None  # K/V slots per row, once reserved
+        self.drafter: Drafter | None = self.custom_drafter
+        self._next_id = 0
 
-    # ---- public -------------------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt: object, params: SamplingParams) -> list[int]:
         """The prompt as token ids, or BatchspecError (one clear line) when this engine cannot serve it:
         not a list of ids, an id outside the vocabulary, too long for the context or the K/V budget."""
@@ -110,14 +127,91 @@ class Engine:
             raise BatchspecError(f"token id {bad!r} is not in the model's vocabulary (ids 0..{self.vocab - 1})")
         ids = [int(t) for t in ids]
         validate_prompt(ids, params, self.limit)
-        budget, need = self.spec.max_kv_slots, self._slots_for(len(ids), params)
+        need = self.slots_for(len(ids), params)
+        budget = self.spec.max_kv_slots
         if budget is not None and need > budget:
             raise BatchspecError(
                 f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} + {self.k + 1} slots for a "
                 f"round in flight needs {need} K/V slots, more than max_kv_slots {budget}"
             )
+        if self.capacity is not None and need > self.capacity:
+            raise BatchspecError(
+                f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} + {self.k + 1} slots for a "
+                f"round in flight needs {need} K/V slots per row; this engine reserved {self.capacity}"
+            )
         return ids
 
+    def slots_for(self, prompt_len: int, params: SamplingParams) -> int:
+        """K/V slots one row needs: its prompt, max_new_tokens and one round of drafts in flight."""
+        return prompt_len + params.max_new_tokens + self.k + 1
+
+    def add_request(self, prompt: object, params: SamplingParams, request_id: int | None = None) -> int:
+        """Queue a request; returns its id (the next free one unless given; ids of requests in flight
+        must be unique). Raises BatchspecError if it can never be served."""
+        ids = self.validate(prompt, params)
+        if request_id is None:
+            request_id = self._next_id
+        elif any(s.index == request_id for s in self._in_flight()):
+            raise BatchspecError(f"request id {request_id} is already in flight")
+        self._next_id = max(self._next_id, request_id + 1)
+        self.waiting.append(Sequence(request_id, ids, params, self.stop_ids | frozenset(params.stop_token_ids)))
+        return request_id
+
+    def _in_flight(self) -> list[Sequence]:
+        return [*self.waiting, *self.running, *([self.staging] if self.staging is not None else [])]
+
+    def abort(self, request_id: int) -> Sequence | None:
+        """Stop a request wherever it is (queued, being prefilled, decoding); its row is freed at once,
+        in the target and the drafter. Returns it (finish_reason "abort"), or None if not in flight."""
+        for seq in self.waiting:
+            if seq.index == request_id:
+                self.waiting.remove(seq)
+                seq.abort()
+                return seq
+        if self.staging is not None and self.staging.index == request_id:
+            seq, self.staging, self.staged = self.staging, None, 0
+            self.home.discard_staged()
+            if self.drafter is not None:
+                self.drafter.discard_staged()
+            seq.abort()
+            return seq
+        for seq in self.running:
+            if seq.index == request_id and not seq.finished:
+                seq.abort()
+                self._retire()
+                return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.staging)
+
+    # ---- memory -------------------------------------------------------------------------------
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Allocate every layout once: `rows` sequences in flight (fewer if `max_kv_slots` cannot hold
+        them), `capacity` K/V slots each. Requests that need more are refused by `validate`."""
+        budget = self.spec.max_kv_slots
+        if budget is not None:
+            rows = min(rows, budget // capacity)
+        if rows < 1:
+            raise BatchspecError(f"max_kv_slots {budget} cannot hold one row of {capacity} slots")
+        self.capacity = capacity
+        if self.scheduler.pooled:
+            rows = min(rows, self.scheduler.window_size)
+            group = min(self.spec.batch_size, rows)
+            self.home: Layout = RaggedLayout(self.target, rows, capacity)
+            self.layout: Layout = PaddedLayout(self.target, group, capacity)
+        else:
+            rows = min(rows, self.spec.batch_size)
+            self.home = self.layout = self.layout_class(self.target, rows, capacity)
+        self.drafter = self.custom_drafter
+        if self.draft_model is not None:
+            if self.scheduler.pooled:
+                self.drafter = ModelDrafter(PaddedLayout(self.draft_model, group, capacity),
+                                            pool=RaggedLayout(self.draft_model, rows, capacity))
+            else:
+                self.drafter = ModelDrafter(self.layout_class(self.draft_model, rows, capacity))
+
+    # ---- offline ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Decode every prompt; results in input order."""
         done = {s.index: s for s in self.stream(prompts, params)}
@@ -126,87 +220,110 @@ class Engine:
     def stream(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> Iterator[Sequence]:
-        """Yield each sequence as soon as it finishes. Raises BatchspecError if any prompt cannot be
-        served (`LLM` validates first and turns those into per-request errors instead)."""
+        """Yield each sequence as soon as it finishes; `index` is the prompt's position. Raises
+        BatchspecError if any prompt cannot be served (`LLM` validates first and turns those into
+        per-request errors instead). Memory is sized for these prompts on first use."""
         per_request = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [
-            Sequence(i, self.validate(p, sp), sp, self.stop_ids | frozenset(sp.stop_token_ids))
-            for i, (p, sp) in enumerate(zip(prompts, per_request))
-        ]
-        if not seqs:
+        ids = [self.validate(p, sp) for p, sp in zip(prompts, per_request)]
+        if not ids:
             return
-        self._setup(len(seqs), max(self._slots_for(len(s.prompt_ids), s.params) for s in seqs))
-        yield from self._loop(seqs)
+        if self.capacity is None:
+            self.reserve(len(ids), max(self.slots_for(len(p), sp) for p, sp in zip(ids, per_request)))
+        if self.has_unfinished():
+            raise BatchspecError("stream() needs an idle engine (requests are still in flight)")
+        for i, (p, sp) in enumerate(zip(ids, per_request)):
+            self.add_request(p, sp, request_id=i)
+        while self.has_unfinished():
+            yield from self.step()
 
-    def _slots_for(self, prompt_len: int, params: SamplingParams) -> int:
-        """K/V slots one row needs: its prompt, max_new_tokens and one round of drafts in flight."""
-        return prompt_len + params.max_new_tokens + self.k + 1
-
-    def _setup(self, requests: int, capacity: int) -> None:
-        """Allocate the layouts for this run: rows for at most `requests` sequences at once,
-        `capacity` slots per row."""
-        rows = self._rows_within_budget(min(self.spec.batch_size, requests), capacity)
-        self.target_layout = self.layout_class(self.target, rows, capacity)
-        self.drafter = self.custom_drafter
-        if self.draft_model is not None:
-            self.drafter = ModelDrafter(self.layout_class(self.draft_model, rows, capacity))
-
-    def _rows_within_budget(self, wanted: int, capacity: int) -> int:
-        """Rows to allocate: `wanted`, fewer if `max_kv_slots` (rows x slots per row, per model)
-        cannot hold them, so admission never outgrows the memory the user granted. (`validate`
-        already refused any prompt that does not fit one row.)"""
-        budget = self.spec.max_kv_slots
-        return wanted if budget is None else max(1, min(wanted, budget // capacity))
-
-    # ---- the loop -----------------------------------------------------------------------------
-    def _loop(self, seqs: list[Sequence]) -> Iterator[Sequence]:
-        waiting = deque(seqs)
-        active: list[Sequence] = []
-        while waiting or active:
-            admitted = self._schedule(waiting, active)
-            if admitted:
-                self._admit(admitted, self.target_layout, self.drafter)
-                active.extend(admitted)
-            yield from self._retire(active)
-            if active:
-                self._round(active)
-                yield from self._retire(active)
-
-    def _schedule(self, waiting: deque[Sequence], active: list[Sequence]) -> list[Sequence]:
-        """static: a new batch once the previous one has fully finished; continuous: refill free
-        slots at once."""
-        if self.spec.scheduler == "static" and active:
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Admit and prefill what the policy allows, then one round over the rows it selects.
+        Returns the sequences that finished during this step."""
+        if not self.has_unfinished():
             return []
-        free = self.target_layout.store.max_rows - len(active)
-        return [waiting.popleft() for _ in range(min(free, len(waiting)))]
+        if self.capacity is None:
+            self.reserve(len(self.waiting), max(self.slots_for(len(s.prompt_ids), s.params) for s in self.waiting))
+        self._prefill()
+        finished = self._retire()
+        if self.running:
+            group = self.scheduler.select(self.running, self.stats.rounds)
+            self._round(group)
+            finished += self._retire()
+        return finished
 
-    def _admit(self, seqs: list[Sequence], layout: Layout, drafter: Drafter | None) -> None:
-        """Prefill new rows (target and drafter); the target's prefill yields each first token."""
+    def _free_rows(self) -> int:
+        return self.home.store.max_rows - len(self.running) - (self.staging is not None)
+
+    def _prefill(self) -> None:
+        """Prefill newly admitted requests, each prompt at its own length (target and drafter): whole
+        prompts, or with `max_prefill_tokens` at most that many prompt tokens per step, so one long
+        prompt never stalls the rows already decoding for long."""
         start = _clock(self.target)
-        logits = layout.prefill([s.prompt_ids for s in seqs])
-        first = self._pick_first(logits, seqs).tolist()
-        for s, token in zip(seqs, first):
-            s.extend([token])
-        if drafter is not None:
-            drafter.add(seqs)
+        fed_before = self.home.prefill_fed
+        if self.spec.max_prefill_tokens is None:
+            admitted = self.scheduler.take(self.waiting, len(self.running), self._free_rows())
+            if admitted:
+                admitted.sort(key=lambda s: len(s.prompt_ids))  # equal lengths adjacent: one forward each
+                logits = self.home.prefill([s.prompt_ids for s in admitted])
+                if self.drafter is not None:
+                    self.drafter.add(admitted)
+                self._start(admitted, logits)
+        else:
+            self._prefill_chunks(self.spec.max_prefill_tokens)
+        self.stats.prefill_fed += self.home.prefill_fed - fed_before
         self.stats.prefill_time += _clock(self.target) - start
 
-    def _round(self, active: list[Sequence]) -> None:
-        device = self.target_layout.device
+    def _prefill_chunks(self, budget: int) -> None:
+        while budget > 0:
+            if self.staging is None:
+                taken = self.scheduler.take(self.waiting, len(self.running), min(1, self._free_rows()))
+                if not taken:
+                    return
+                self.staging, self.staged = taken[0], 0
+            seq = self.staging
+            chunk = seq.prompt_ids[self.staged : self.staged + budget]
+            logits = self.home.stage(chunk)
+            if self.drafter is not None:
+                self.drafter.stage(chunk)
+            self.staged += len(chunk)
+            budget -= len(chunk)
+            if self.staged == len(seq.prompt_ids):
+                self.home.unstage()
+                if self.drafter is not None:
+                    self.drafter.unstage()
+                self.staging, self.staged = None, 0
+                self._start([seq], logits[None])
+
+    def _start(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Rows whose prompt is in: the target's last prompt logits [b, vocab] give the first token."""
+        first = sampling.choose_tokens(logits, seqs, 0, self.randomness).tolist()
+        for s, token in zip(seqs, first):
+            s.extend([token])
+            self.stats.prefill_tokens += len(s.prompt_ids)
+        self.running.extend(seqs)
+
+    def _round(self, group: list[int]) -> None:
+        """Draft, verify, accept and commit for rows `group` (indices into `running`)."""
+        seqs = [self.running[i] for i in group]
+        device = self.layout.device
         t0 = _clock(self.target)
-        k = 0
-        if self.drafter is not None:
-            k = min(self.k, max(s.remaining for s in active) - 1)
-        pending = torch.tensor([s.tail(1) for s in active], dtype=torch.long, device=device)
-        draft = Draft(torch.zeros((len(active), 0), dtype=torch.long, device=device), None)
+        rows = torch.tensor(group, dtype=torch.long, device=device)
+        if self.scheduler.pooled:
+            lengths = torch.tensor([s.length - 1 for s in seqs], dtype=torch.long, device=device)
+            self.layout.load_rows(self.home, rows, lengths)
+            if self.drafter is not None:
+                self.drafter.load(rows, seqs)
+        k = min(self.k, max(s.remaining for s in seqs) - 1) if self.drafter is not None else 0
+        pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=device)
+        draft = Draft(torch.zeros((len(seqs), 0), dtype=torch.long, device=device), None)
         if k > 0:
-            draft = self.drafter.propose(active, k, self._draft_picker(active))
+            draft = self.drafter.propose(seqs, k, sampling.draft_picker(seqs, self.randomness))
         t1 = _clock(self.target)
-        logits = self.target_layout.forward(torch.cat([pending, draft.tokens], dim=1))
+        logits = self.layout.forward(torch.cat([pending, draft.tokens], dim=1))
         t2 = _clock(self.target)
-        tokens, count = self._accept(draft, logits, active)
-        tokens_l, count_l = tokens.tolist(), count.tolist()
-        for s, toks, n in zip(active, tokens_l, count_l):
+        tokens, count = self._accept(draft, logits, seqs)
+        for s, toks, n in zip(seqs, tokens.tolist(), count.tolist()):
             taken = s.extend(toks[:n])
             s.rounds += 1
             s.drafted += k
@@ -214,58 +331,49 @@ class Engine:
             self.stats.drafted += k
             self.stats.accepted += min(n - 1, taken)
             self.stats.generated += taken
-        self._commit(active)
+        # Keep the target K/V of every token but the last (it is fed first next round).
+        lengths = torch.tensor([s.length - 1 for s in seqs], dtype=torch.long, device=device)
+        if self.scheduler.pooled:
+            self.layout.save_rows(self.home, rows, lengths)
+            if self.drafter is not None:
+                self.drafter.save(rows, seqs)
+        else:
+            self.layout.commit(lengths)
         self.stats.rounds += 1
+        self.stats.extra.update(self.scheduler.counters())
         if self.checker is not None:
-            self.checker(self._views(active), self.stats.rounds)
+            self.checker(self._views(group), self.stats.rounds)
         t3 = _clock(self.target)
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         self.stats.other_time += t3 - t2
 
-    def _commit(self, active: list[Sequence]) -> None:
-        """Keep the target K/V of every token but the last (it is fed first next round)."""
-        lengths = [s.length - 1 for s in active]
-        self.target_layout.commit(torch.tensor(lengths, dtype=torch.long, device=self.target_layout.device))
-
-    # ---- token choice: the only place that knows about decoding rules ----------------------------
-    def _pick_first(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The first generated token of each new row, from the target's prefill logits [b, vocab]."""
-        return sampling.choose_tokens(logits, seqs, 0, self.randomness)
-
-    def _draft_picker(self, seqs: list[Sequence]) -> Picker:
-        """How the drafter turns its logits into draft tokens this round."""
-        return sampling.draft_picker(seqs, self.randomness)
-
-    def _accept(
-        self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]]."""
+    def _accept(self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]] (each row by its own rule)."""
         return sampling.accept_round(draft, logits, seqs, self.randomness)
 
-    def _row_holders(self) -> list[Layout | Drafter]:
-        """Everything that keeps state per active row, in the rows' order."""
-        return [self.target_layout] + ([self.drafter] if self.drafter is not None else [])
-
-    def _retire(self, active: list[Sequence]) -> list[Sequence]:
+    def _retire(self) -> list[Sequence]:
         """Drop finished rows everywhere (they stop costing compute) and return them."""
-        keep = [not s.finished for s in active]
+        keep = [not s.finished for s in self.running]
         if all(keep):
             return []
-        finished = [s for s in active if s.finished]
-        holders = self._row_holders()
-        order = holders[0].drop(keep)
-        for holder in holders[1:]:
-            holder.drop(keep)
-        active[:] = [active[i] for i in order]
+        finished = [s for s in self.running if s.finished]
+        order = self.home.drop(keep)
+        if self.drafter is not None:
+            self.drafter.drop(keep)
+        self.running = [self.running[i] for i in order]
         return finished
 
-    def _views(self, active: list[Sequence]) -> list[LayoutView]:
-        """What the invariant checker verifies after a round: the target's rows and the drafter's."""
-        sample = sorted({self.stats.rounds % len(active), len(active) - 1})
-        target = LayoutView("target", self.target_layout, [s.length - 1 for s in active],
-                            [s.tokens[:-1] for s in active], sample)
-        return [target] + (self.drafter.views(active, sample) if self.drafter is not None else [])
+    def _views(self, group: list[int]) -> list[LayoutView]:
+        """What the invariant checker verifies after a round: the target's rows at home (committed
+        lengths and, for a sample of the round's rows, cached K/V), the rectangle the round ran on
+        when pooled (its structure and positions), and the drafter's."""
+        sample = sorted({group[self.stats.rounds % len(group)], group[-1]})
+        views = [LayoutView("target", self.home, [s.length - 1 for s in self.running],
+                            [s.tokens[:-1] for s in self.running], sample)]
+        if self.layout is not self.home:
+            views.append(LayoutView("target group", self.layout, None, [], []))
+        return views + (self.drafter.views(self.running, sample) if self.drafter is not None else [])
 
 
 def _clock(model: torch.nn.Module) -> float:

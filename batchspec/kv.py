@@ -39,10 +39,10 @@ class _SlotLayer(CacheLayerMixin):
         return self._store.write(self._layer, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._store.kv_len, 0
+        return self._store.kv_len - self._store.kv_start, 0
 
     def get_seq_length(self) -> int:
-        return self._store.kv_len
+        return self._store.kv_len - self._store.kv_start
 
     def get_max_length(self) -> int:
         return self._store.capacity
@@ -58,6 +58,7 @@ class SlotStore:
         self.data: torch.Tensor | None = None
         self.cache = Cache(layers=[_SlotLayer(self, i) for i in range(num_layers)])
         # Per-forward addressing, set by `attend` before each model call.
+        self.kv_start = 0
         self.kv_len = 0
         self._rows = slice(0, 0)
         self._write_start: int | torch.Tensor = 0
@@ -78,13 +79,15 @@ class SlotStore:
                 f"{self.capacity} tokens): lower --batch-size or --max-new-tokens"
             ) from err
 
-    def attend(self, rows: slice, write_start: int | torch.Tensor, kv_len: int) -> None:
+    def attend(self, rows: slice, write_start: int | torch.Tensor, kv_len: int, kv_start: int = 0) -> None:
         """Address the next forward: rows `rows`, new tokens written from `write_start` (one int for
-        all rows, or one start per row), attention over slots [0, kv_len)."""
+        all rows, or one start per row), attention over slots [kv_start, kv_len) (a left-padded row
+        prefilled alone starts after its padding, so no compute is spent on pad slots)."""
         if kv_len > self.capacity:
             raise BatchspecError(f"KV capacity exceeded ({kv_len} > {self.capacity} slots)")
         self._rows = rows
         self._write_start = write_start
+        self.kv_start = kv_start
         self.kv_len = kv_len
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +108,7 @@ class SlotStore:
             slots = slots.expand(-1, keys.shape[1], -1, keys.shape[3])
             k_rows.scatter_(2, slots, keys)
             v_rows.scatter_(2, slots, values)
-        return k_rows[:, :, : self.kv_len], v_rows[:, :, : self.kv_len]
+        return k_rows[:, :, self.kv_start : self.kv_len], v_rows[:, :, self.kv_start : self.kv_len]
 
     @torch.inference_mode()
     def move_rows(self, dst: list[int], src: list[int]) -> None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .drafters import Drafter
     from .engine import Engine
 
-SCHEDULERS = ("static", "continuous")
+SCHEDULERS = ("static", "continuous", "pool")
 
 _RAGGED = "batchspec.layouts.ragged:RaggedLayout"
 _PADDED = "batchspec.layouts.padded:PaddedLayout"
@@ -67,7 +67,7 @@ METHODS: dict[str, Method] = {
         Method("ragged", "per-row KV cursors: commit moves a cursor, nothing is ever realigned", _RAGGED,
                schedulers=("continuous", "static")),
         Method("exspec", "sequence pool; each round runs a same-length group when one exists (the paper's EXSPEC)",
-               _PADDED, engine="batchspec.exspec:ExspecEngine"),
+               _PADDED, schedulers=("pool",)),
         Method("naive-kv", "DELIBERATELY WRONG: rejected drafts' K/V stay in the cache",
                f"{_BROKEN}:KeptRejectedKVLayout", deliberately_wrong=True),
         Method("naive-positions", "DELIBERATELY WRONG: one position counter shared by the whole batch",

@@ -29,9 +29,10 @@ class Draft:
 class Drafter(ABC):
     """Keeps whatever per-row state it needs in the same row order as the engine's rows.
 
-    The engine drives it through this interface only: `add` rows, `propose` drafts, `drop` finished
-    rows, and, for engines whose rows live in a pool between rounds (EXSPEC), `load` the round's rows
-    from the pool and `save` them back. A drafter that keeps state it can check exposes it in `views`.
+    The engine drives it through this interface only: `add` rows (or build one in chunks with `stage`
+    and `unstage`), `propose` drafts, `drop` finished rows, and, for engines whose rows live in a pool
+    between rounds (EXSPEC), `load` the round's rows from the pool and `save` them back. A drafter
+    that keeps state it can check exposes it in `views`. Stateless drafters ignore all but `propose`.
     """
 
     @abstractmethod
@@ -45,6 +46,15 @@ class Drafter(ABC):
     @abstractmethod
     def drop(self, keep: list[bool]) -> list[int]:
         """Remove rows, mirroring the target layout's `drop` (same order returned)."""
+
+    def stage(self, tokens: list[int]) -> None:
+        """Chunked prefill: the next chunk of the prompt being admitted (fed to the target too)."""
+
+    def unstage(self) -> None:
+        """Chunked prefill: the staged prompt is complete and becomes the last row."""
+
+    def discard_staged(self) -> None:
+        """Chunked prefill: the staged prompt's request was aborted."""
 
     def load(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """Pool engines: make pool rows `rows` (holding `seqs`) the rows of the next `propose`."""

@@ -60,10 +60,22 @@ class ModelDrafter(Drafter):
             valid = torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
             self.layout.save_rows(self.pool, rows, self.layout.lengths.clamp(max=valid))
 
+    def stage(self, tokens: list[int]) -> None:
+        self._home.stage(tokens)
+
+    def unstage(self) -> None:
+        self._home.unstage()
+
+    def discard_staged(self) -> None:
+        self._home.discard_staged()
+
     def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
         """Its cached K/V must hold each row's tokens up to what it last fed (at most all but the
-        last two, which the next round feeds again); its commits are lazy, so lengths are not pinned."""
+        last two, which the next round feeds again); its commits are lazy, so lengths are not pinned.
+        Pooled, the rectangle it drafted in is checked for structure and positions too."""
         home = self._home
         valid = [min(int(n), s.length - 2) for n, s in zip(home.lengths.tolist(), seqs)]
-        name = "drafter pool" if self.pool is not None else "drafter"
-        return [LayoutView(name, home, None, [s.tokens[:v] for s, v in zip(seqs, valid)], sample_rows)]
+        if self.pool is None:
+            return [LayoutView("drafter", home, None, [s.tokens[:v] for s, v in zip(seqs, valid)], sample_rows)]
+        return [LayoutView("drafter pool", home, None, [s.tokens[:v] for s, v in zip(seqs, valid)], sample_rows),
+                LayoutView("drafter group", self.layout, None, [], [])]

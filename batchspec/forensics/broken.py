@@ -60,11 +60,19 @@ class SharedPositionLayout(RaggedLayout):
     def __init__(self, model: torch.nn.Module, max_rows: int, capacity: int) -> None:
         super().__init__(model, max_rows, capacity)
         self.counter = 0
+        self._prefilling = False
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Correct positions for the prompts; the shared counter then starts after the longest."""
         if not self.num_rows:  # a new batch restarts the shared counter
             self.counter = 0
-        return super().prefill(prompts)
+        self._prefilling = True
+        try:
+            logits = super().prefill(prompts)
+        finally:
+            self._prefilling = False
+        self.counter += max(len(p) for p in prompts)
+        return logits
 
     def _run(
         self,
@@ -74,13 +82,15 @@ class SharedPositionLayout(RaggedLayout):
         visible: torch.Tensor,
         write_start: int | torch.Tensor,
         logits_to_keep: int | torch.Tensor,
+        kv_start: int = 0,
     ) -> torch.Tensor:
         # The bug: every row gets the same positions, counter + arange(n), and the counter advances by
-        # every fed token, rejected or not. (The right-padded prefill still gets correct positions.)
-        n = tokens.shape[1]
-        shared = (self.counter + torch.arange(n, device=self.device)).expand_as(positions)
-        self.counter += n
-        return super()._run(rows, tokens, shared, visible, write_start, logits_to_keep)
+        # every fed token, rejected or not.
+        if not self._prefilling:
+            n = tokens.shape[1]
+            positions = (self.counter + torch.arange(n, device=self.device)).expand_as(positions)
+            self.counter += n
+        return super()._run(rows, tokens, positions, visible, write_start, logits_to_keep, kv_start)
 
 
 class DrafterBonusEngine(Engine):

@@ -33,6 +33,7 @@ class Layout(ABC):
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.last_positions: torch.Tensor | None = None
         self.last_visible: torch.Tensor | None = None
+        self.prefill_fed = 0  # token positions computed by prefill forwards (prompt tokens + any padding)
 
     @property
     def num_rows(self) -> int:
@@ -46,18 +47,53 @@ class Layout(ABC):
         visible: torch.Tensor,
         write_start: int | torch.Tensor,
         logits_to_keep: int | torch.Tensor,
+        kv_start: int = 0,
     ) -> torch.Tensor:
+        """One forward over `rows`: tokens [b, n] at `positions` [b, n], written from `write_start`,
+        query i of row b seeing slot kv_start + j iff visible[b, i, j]."""
         if self.limit is not None:
             # Positions past the context only ever occur for draft slots whose predictions lie beyond
             # max_new_tokens (validated upstream) and are discarded; clamping keeps absolute-position
             # models from indexing out of range.
             positions = positions.clamp(max=self.limit - 1)
         self.last_positions, self.last_visible = positions, visible
-        self.store.attend(rows, write_start, visible.shape[-1])
+        self.store.attend(rows, write_start, kv_start + visible.shape[-1], kv_start)
         return forward_slots(self.model, self.store, tokens, positions, visible, logits_to_keep)
 
     @abstractmethod
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor: ...
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Append one row per prompt, each computed at its own length (no padding is ever fed);
+        returns each new row's last-position logits [k, vocab]."""
+
+    def _prefill_runs(self, prompts: list[list[int]], first_row: int, align_to: int | None = None) -> torch.Tensor:
+        """Prefill prompts into rows first_row, first_row + 1, ...: each run of consecutive prompts
+        of equal length is one forward (no padding). Rows start at slot 0, or end at slot `align_to`
+        (a left-padded rectangle), attending only to their own slots. Returns last-position logits."""
+        logits = []
+        for start, run in equal_length_runs(prompts):
+            size = len(run[0])
+            steps = torch.arange(size, device=self.device)
+            ids = torch.tensor(run, dtype=torch.long, device=self.device)
+            visible = (steps[None, :] <= steps[:, None]).expand(len(run), size, size)
+            offset = 0 if align_to is None else align_to - size
+            rows = slice(first_row + start, first_row + start + len(run))
+            out = self._run(rows, ids, steps.expand(len(run), size), visible, offset, 1, kv_start=offset)
+            logits.append(out[:, -1])
+            self.prefill_fed += ids.numel()
+        return torch.cat(logits)
+
+    def stage(self, tokens: list[int]) -> torch.Tensor:
+        """Chunked prefill: feed the next chunk of a prompt into a row outside every round; returns
+        the chunk's last-position logits [vocab]. Only layouts with per-row cursors can."""
+        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts only")
+
+    def unstage(self) -> None:
+        """Chunked prefill: the staged prompt becomes the last row."""
+        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts only")
+
+    def discard_staged(self) -> None:
+        """Chunked prefill: forget the staged prompt (its request was aborted)."""
+        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts only")
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor: ...
@@ -112,11 +148,12 @@ def swap_remove_order(keep: list[bool]) -> list[int]:
     return [i if keep[i] else next(movers) for i in range(n)]
 
 
-def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts as one right-padded [k, P] tensor, plus their lengths."""
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
-    width = int(lengths.max())
-    ids = torch.full((len(prompts), width), FILLER_TOKEN, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-    return ids, lengths
+def equal_length_runs(prompts: list[list[int]]) -> list[tuple[int, list[list[int]]]]:
+    """(index of the first, prompts) for each maximal run of consecutive prompts of equal length."""
+    runs: list[tuple[int, list[list[int]]]] = []
+    for i, prompt in enumerate(prompts):
+        if runs and len(runs[-1][1][0]) == len(prompt):
+            runs[-1][1].append(prompt)
+        else:
+            runs.append((i, [prompt]))
+    return runs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FILLER_TOKEN, Layout
+from .base import Layout
 
 
 class PaddedLayout(Layout):
@@ -21,16 +21,15 @@ class PaddedLayout(Layout):
         self.realign_count = 0
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill each prompt at its own length straight into its place in the rectangle (right-
+        aligned, pads left): the paper's batched left-padded prefill without computing the pads."""
         if self.num_rows:
             raise RuntimeError("the padded layout prefills whole batches only (static scheduling)")
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
         width = int(lengths.max())
-        pads = width - lengths
-        ids = torch.full((len(prompts), width), FILLER_TOKEN, dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
-            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        self.pads, self.lengths, self.width = pads, lengths, 0
-        return self._feed(ids, logits_to_keep=1)[:, -1]
+        logits = self._prefill_runs(prompts, 0, align_to=width)
+        self.pads, self.lengths, self.width = width - lengths, lengths, width
+        return logits
 
     def _feed(self, tokens: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """Append n tokens to every row at slots [width, width + n)."""

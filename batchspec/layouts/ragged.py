@@ -10,24 +10,51 @@ from __future__ import annotations
 
 import torch
 
-from .base import Layout, right_padded
+from .base import Layout
 
 
 class RaggedLayout(Layout):
+    """Rows [0, num_rows) take part in rounds. A prompt prefilled in chunks (`stage`) is built in
+    row num_rows, outside every round, and joins as the last row when complete (`unstage`)."""
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, capacity: int) -> None:
+        super().__init__(model, max_rows, capacity)
+        self.staged = 0  # prompt tokens already in the staging row
+
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Append rows: right-padded prompts written from slot 0; each real query sees only its own
-        row's earlier tokens, pad queries see garbage that no real query ever attends to."""
-        ids, lengths = right_padded(prompts, self.device)
-        first = self.num_rows
-        width = ids.shape[1]
-        steps = torch.arange(width, device=self.device)
-        positions = steps.expand(len(prompts), width)
-        visible = (steps[None, :] <= steps[:, None]).expand(len(prompts), width, width)
-        logits = self._run(
-            slice(first, first + len(prompts)), ids, positions, visible, 0, (lengths - 1)[:, None]
-        )
+        """Append rows, each prompt written from slot 0 at its own length."""
+        logits = self._prefill_runs(prompts, self.num_rows)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
         self.lengths = torch.cat([self.lengths, lengths])
-        return logits[:, 0]
+        return logits
+
+    def stage(self, tokens: list[int]) -> torch.Tensor:
+        """Feed the next chunk of a prompt into the staging row; its last position's logits [vocab]."""
+        row, start, n = self.num_rows, self.staged, len(tokens)
+        positions = (start + torch.arange(n, device=self.device))[None]
+        visible = torch.arange(start + n, device=self.device)[None, None, :] <= positions[:, :, None]
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        logits = self._run(slice(row, row + 1), ids, positions, visible, start, 1)
+        self.staged += n
+        self.prefill_fed += n
+        return logits[0, -1]
+
+    def unstage(self) -> None:
+        """The staged prompt becomes the last row (it already sits there)."""
+        self.lengths = torch.cat([self.lengths, torch.tensor([self.staged], dtype=torch.long, device=self.device)])
+        self.staged = 0
+
+    def discard_staged(self) -> None:
+        self.staged = 0
+
+    def drop(self, keep: list[bool]) -> list[int]:
+        """Drop rows; a prompt being staged follows the last row down (one row copy, only when rows
+        were dropped while it was being prefilled)."""
+        before = self.num_rows
+        order = super().drop(keep)
+        if self.staged and self.num_rows != before:
+            self.store.move_rows([self.num_rows], [before])
+        return order
 
     def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         n = tokens.shape[1]
