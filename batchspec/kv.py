@@ -119,8 +119,9 @@ class SlotStore:
     @torch.inference_mode()
     def gather_slots(self, rows: int, index: torch.Tensor) -> None:
         """Rewrite slots [0, L') of rows [0, rows) as slot `index[b, j]` of the same row: the
-        realignment of a left-padded layout, one gather over every layer at once."""
-        if self.data is None:
+        realignment of a left-padded layout, one gather over every layer at once. An empty index
+        (no rows, or rows that keep no tokens) rewrites nothing."""
+        if self.data is None or index.numel() == 0:
             return
         new_len = index.shape[1]
         src_len = int(index.max()) + 1
@@ -133,8 +134,10 @@ class SlotStore:
     @torch.inference_mode()
     def copy_rows(self, src: SlotStore, src_rows: torch.Tensor, dst_rows: torch.Tensor, slot_map: torch.Tensor) -> None:
         """Slot j of row dst_rows[b] <- slot slot_map[b, j] of row src_rows[b] in `src`, for j in
-        [0, slot_map.shape[1]): moves rows between two stores (of the same model) in one gather."""
-        if src.data is None:
+        [0, slot_map.shape[1]): moves rows between two stores (of the same model) in one gather.
+        An empty slot map (no rows, or rows that keep no tokens, e.g. a drafter's 2-token rows)
+        copies nothing."""
+        if src.data is None or slot_map.numel() == 0:
             return
         if self.data is None:
             self.data = torch.zeros_like(src.data[:, :, :1]).expand(

@@ -6,13 +6,14 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from tinyworld import VOCAB_SIZE, ScriptedDrafter, perturbed_copy, random_prompts
 
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.methods import build_engine
 from batchspec.forensics.invariants import InvariantError
-from batchspec.layouts import PaddedLayout, RaggedLayout
+from batchspec.kv import context_limit
+from batchspec.layouts import Layout, PaddedLayout, RaggedLayout
 from batchspec.models import tiny_model
 from batchspec.reference import greedy_decode
 
@@ -34,9 +35,18 @@ def oracle(arch: str, prompt: tuple[int, ...], max_new: int, stop: tuple[int, ..
     return greedy_decode(target(arch), list(prompt), max_new, stop)
 
 
-def assert_matches_oracle(arch, prompts, outputs, max_new, stop=()):
-    for prompt, seq in zip(prompts, outputs):
-        assert seq.generated == oracle(arch, tuple(prompt), max_new, tuple(stop)), f"prompt {seq.index} diverged"
+def assert_matches_oracle(arch, prompts, outputs, max_new: int | list[int], stop=()):
+    """Each row equals plain decoding of its prompt alone; `max_new` is one budget or one per prompt."""
+    budgets = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    for prompt, budget, seq in zip(prompts, budgets, outputs):
+        assert seq.generated == oracle(arch, tuple(prompt), budget, tuple(stop)), f"prompt {seq.index} diverged"
+
+
+def one_or_up_to(top: int) -> st.SearchStrategy[int]:
+    """1 about half the time, else 1..top: prompt lengths and budgets of exactly 1 are the edge cases (a
+    group of 1-token prompts keeps no drafter K/V; a row with max_new_tokens 1 finishes at prefill),
+    and a plain integers(1, top) would draw whole groups of them almost never."""
+    return st.one_of(st.just(1), st.integers(1, top))
 
 
 def test_oracle_matches_transformers_generate():
@@ -49,7 +59,7 @@ def test_oracle_matches_transformers_generate():
         assert greedy_decode(model, prompt, 12) == hf
 
 
-@settings(max_examples=40)
+@settings(max_examples=60)
 @given(
     arch=st.sampled_from(ARCHS),
     method=st.sampled_from(["ragged", "eqspec", "exspec", "ar"]),
@@ -57,25 +67,64 @@ def test_oracle_matches_transformers_generate():
     batch_size=st.integers(1, 8),
     extra_window=st.integers(0, 6),
     k=st.integers(1, 6),
-    lengths=st.lists(st.integers(1, 24), min_size=2, max_size=10),
-    max_new=st.integers(1, 24),
+    rows=st.lists(st.tuples(one_or_up_to(24), one_or_up_to(24)), min_size=1, max_size=10),
     seed=st.integers(0, 10_000),
     use_stop=st.booleans(),
+    chunk=st.sampled_from([None, 1, 3, 16, 100]),
 )
-def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, extra_window, k, lengths, max_new, seed, use_stop):
+# issue 8: a lone 1-token prompt (exspec's drafter rectangle had width 0), and a longer row finishing
+# at its first token, leaving only 1-token rows (eqspec's drafter realigned to width 0)
+@example(arch="llama", method="exspec", continuous=False, batch_size=4, extra_window=0, k=4,
+         rows=[(1, 8)], seed=0, use_stop=False, chunk=None)
+@example(arch="llama", method="eqspec", continuous=False, batch_size=4, extra_window=0, k=4,
+         rows=[(1, 8), (5, 1)], seed=0, use_stop=False, chunk=None)
+def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, extra_window, k, rows, seed, use_stop, chunk):
+    """rows: (prompt length, max_new_tokens) per request; chunk: max_prefill_tokens (continuous)."""
+    lengths = [length for length, _ in rows]
+    budgets = [budget for _, budget in rows]
     prompts = random_prompts(len(lengths), lengths, seed)
     stop: tuple[int, ...] = ()
     if use_stop:  # a token the target really emits mid-continuation, so rows stop at different rounds
-        stop = (oracle(arch, tuple(prompts[0]), max_new)[max_new // 2],)
-    scheduler = "continuous" if continuous and method in ("ragged", "ar") else "static"
+        stop = (oracle(arch, tuple(prompts[0]), budgets[0])[budgets[0] // 2],)
+    scheduler = ("continuous" if continuous else "static") if method in ("ragged", "ar") else None
     spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
-                      window_size=batch_size + extra_window, sort_by_length=continuous)
+                      window_size=batch_size + extra_window, sort_by_length=continuous,
+                      max_prefill_tokens=chunk if scheduler == "continuous" else None)
     engine = build_engine(target(arch), spec, stop, draft_model=drafter(arch))
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
-    assert_matches_oracle(arch, prompts, outputs, max_new, stop)
-    for seq in outputs:
-        assert len(seq.generated) <= max_new
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle(arch, prompts, outputs, budgets, stop)
+    for seq, budget in zip(outputs, budgets):
+        assert len(seq.generated) <= budget
         assert all(t not in stop for t in seq.generated[:-1])
+
+
+@settings(max_examples=30)
+@given(
+    arch=st.sampled_from(ARCHS),
+    method=st.sampled_from(["ragged", "eqspec", "exspec", "ar"]),
+    continuous=st.booleans(),
+    batch_size=st.integers(2, 4),
+    k=st.integers(1, 6),
+    rows=st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 3)), min_size=2, max_size=4),
+    seed=st.integers(0, 10_000),
+)
+# issue 8: a row ending exactly at GPT-2's 512th position while the other row keeps K at 6, so the
+# first row's last drafts run past the context (a false I2 violation was raised there)
+@example(arch="gpt2", method="ragged", continuous=False, batch_size=2, k=6,
+         rows=[(True, 12, 0), (False, 40, 2)], seed=4)
+def test_near_context_limit_matches_oracle_with_invariants(arch, method, continuous, batch_size, k, rows, seed):
+    """rows: (near the limit?, max_new_tokens, slack): a near row's prompt fills the context up to
+    `slack` positions after its max_new_tokens; another row's prompt has 1 + slack tokens."""
+    limit = context_limit(target(arch))
+    lengths = [limit - budget - slack if near else 1 + slack for near, budget, slack in rows]
+    budgets = [budget for _, budget, _ in rows]
+    prompts = random_prompts(len(lengths), lengths, seed)
+    scheduler = ("continuous" if continuous else "static") if method in ("ragged", "ar") else None
+    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
+                      check_invariants=True, max_prefill_tokens=37 if scheduler == "continuous" else None)
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch))
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle(arch, prompts, outputs, budgets)
 
 
 @settings(max_examples=20)
@@ -84,7 +133,7 @@ def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, extr
     method=st.sampled_from(["ragged", "eqspec", "exspec"]),
     batch_size=st.integers(1, 8),
     k=st.integers(1, 6),
-    lengths=st.lists(st.integers(1, 16), min_size=1, max_size=8),
+    lengths=st.lists(one_or_up_to(16), min_size=1, max_size=8),
     p_right=st.one_of(st.sampled_from([0.0, 1.0]), st.lists(st.floats(0, 1), min_size=1, max_size=8)),
     seed=st.integers(0, 10_000),
 )
@@ -142,6 +191,59 @@ def test_invariant_checks_pass_on_real_runs(method):
     spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=3, check_invariants=True)
     outputs = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=12))
     assert_matches_oracle("qwen2", prompts, outputs, 12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec", "ar"])
+def test_one_token_prompts_match_oracle(arch, method):
+    """A 1-token prompt plus its first token is a row the drafter keeps no K/V of (it keeps all but
+    the last two tokens): a lone one-word prompt, and a batch made only of such rows (issue 8)."""
+    for prompts in ([[5]], random_prompts(4, [1], seed=6)):
+        spec = SpecConfig(method=method, num_draft_tokens=3, batch_size=4, check_invariants=True)
+        engine = build_engine(target(arch), spec, draft_model=drafter(arch))
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+        assert_matches_oracle(arch, prompts, outputs, 8)
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec"])
+def test_row_finishing_at_its_first_token_leaves_one_token_rows(method):
+    """The 5-token row finishes at prefill: the 1-token row left alone must shrink the drafter's
+    rectangle to zero kept slots (issue 8)."""
+    prompts, budgets = [[5], [7, 8, 9, 10, 11]], [8, 1]
+    spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=4, check_invariants=True)
+    engine = build_engine(target("llama"), spec, draft_model=drafter("llama"))
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle("llama", prompts, outputs, budgets)
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec"])
+def test_invariant_checks_hold_where_drafts_run_past_the_context(method, monkeypatch):
+    """The 500-token row ends at GPT-2's 512th position while the 3-token row keeps K at 6, so its
+    last drafts have positions past the context: they are fed clamped, and the checker must judge
+    the real positions, not report a false I2 violation (issue 8)."""
+    highest: list[int] = []
+    original = Layout._run
+
+    def spy(self, rows, tokens, positions, visible, write_start, logits_to_keep):
+        highest.append(int(positions.max()))
+        return original(self, rows, tokens, positions, visible, write_start, logits_to_keep)
+
+    monkeypatch.setattr(Layout, "_run", spy)
+    prompts, budgets = random_prompts(2, [500, 3], seed=4), [12, 40]
+    spec = SpecConfig(method=method, num_draft_tokens=6, batch_size=2, check_invariants=True)
+    engine = build_engine(target("gpt2"), spec, draft_model=drafter("gpt2"))
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle("gpt2", prompts, outputs, budgets)
+    assert max(highest) >= context_limit(target("gpt2"))  # drafts really ran past the context
+
+
+def test_invariant_checker_catches_shared_positions():
+    """The deliberately wrong `naive-positions` layout (one position counter for the whole batch)
+    is caught as an I2 violation at the first round where rows' lengths differ."""
+    spec = SpecConfig(method="naive-positions", num_draft_tokens=4, batch_size=2, check_invariants=True)
+    engine = build_engine(target("llama"), spec, draft_model=drafter("llama"))
+    with pytest.raises(InvariantError, match=r"target: row 0, round 1: I2 position contiguity"):
+        engine.generate(random_prompts(2, [5, 9], seed=1), SamplingParams(max_new_tokens=10))
 
 
 def test_invariant_checker_catches_kept_rejected_drafts(monkeypatch):

@@ -3,7 +3,9 @@
 Structural checks come from the layout itself (I1 for the padded rectangle, cursor bounds for the
 ragged one). Checked here, independently of how the layout computed them:
 - I2 position contiguity: in the last forward, each query's position equals the number of slots it
-  could see minus one (so the first real token has position 0 and pads never count);
+  could see minus one (so the first real token has position 0 and pads never count). These are the
+  layout's real positions, before the clamp that feeds discarded drafts past the context the last
+  position: a clamped value would differ from the slot count without being wrong;
 - each row's committed length agrees with the engine's own count of that sequence's tokens;
 - for a sample of rows, the cached K/V of the committed prefix equal a fresh batch-1 forward of
   that prefix on transformers' own DynamicCache, within a dtype-dependent tolerance.

@@ -22,7 +22,9 @@ class Layout(ABC):
       logits and tentatively extends `lengths` by n.
     - `commit(lengths)` keeps only the first `lengths[b]` tokens of each row (rejected drafts go).
     - `drop(keep)` removes rows; it returns the new row order (old indices) so callers can mirror it.
-    The positions and visibility mask of the last forward are kept for the invariant checker.
+    The positions and visibility mask of the last forward are kept for the invariant checker; the
+    positions are the layout's own, before the context clamp in `_run` (which only touches queries
+    whose logits are discarded), so the checker sees every query's real position.
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, capacity: int) -> None:
@@ -51,14 +53,15 @@ class Layout(ABC):
     ) -> torch.Tensor:
         """One forward over `rows`: tokens [b, n] at `positions` [b, n], written from `write_start`,
         query i of row b seeing slot kv_start + j iff visible[b, i, j]."""
+        self.last_positions, self.last_visible = positions, visible
+        fed = positions
         if self.limit is not None:
             # Positions past the context only ever occur for draft slots whose predictions lie beyond
             # max_new_tokens (validated upstream) and are discarded; clamping keeps absolute-position
             # models from indexing out of range.
-            positions = positions.clamp(max=self.limit - 1)
-        self.last_positions, self.last_visible = positions, visible
+            fed = positions.clamp(max=self.limit - 1)
         self.store.attend(rows, write_start, kv_start + visible.shape[-1], kv_start)
-        return forward_slots(self.model, self.store, tokens, positions, visible, logits_to_keep)
+        return forward_slots(self.model, self.store, tokens, fed, visible, logits_to_keep)
 
     @abstractmethod
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
