@@ -224,9 +224,9 @@ def test_invariant_checks_hold_where_drafts_run_past_the_context(method, monkeyp
     highest: list[int] = []
     original = Layout._run
 
-    def spy(self, rows, tokens, positions, visible, write_start, logits_to_keep):
+    def spy(self, rows, tokens, positions, visible, *args, **kwargs):
         highest.append(int(positions.max()))
-        return original(self, rows, tokens, positions, visible, write_start, logits_to_keep)
+        return original(self, rows, tokens, positions, visible, *args, **kwargs)
 
     monkeypatch.setattr(Layout, "_run", spy)
     prompts, budgets = random_prompts(2, [500, 3], seed=4), [12, 40]

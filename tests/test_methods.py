@@ -34,12 +34,14 @@ def test_one_default_scheduler_everywhere():
     assert parse_methods("ragged+static@4", [4])[1].name == "ragged+static@4"
 
 
-@pytest.mark.parametrize("method", ["eqspec", "exspec", "naive-kv"])
-def test_schedulers_a_method_lacks_are_refused(method):
-    with pytest.raises(BatchspecError, match=f"method {method} supports the static scheduler, not continuous"):
+@pytest.mark.parametrize("method, own", [("eqspec", "static"), ("exspec", "pool"), ("naive-kv", "static")])
+def test_schedulers_a_method_lacks_are_refused(method, own):
+    with pytest.raises(BatchspecError, match=f"method {method} supports the {own} scheduler, not continuous"):
         SpecConfig(method=method, scheduler="continuous")
-    with pytest.raises(BatchspecError, match="supports the static scheduler"):
+    with pytest.raises(BatchspecError, match=f"supports the {own} scheduler"):
         parse_methods(f"{method}+continuous@2", [2])
+    with pytest.raises(BatchspecError, match="max_prefill_tokens .* needs the continuous scheduler"):
+        SpecConfig(method=method, max_prefill_tokens=8)
 
 
 def test_engine_and_correct_methods_do_not_load_forensics():
