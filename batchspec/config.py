@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from .methods import METHODS, SCHEDULERS, correct_methods, wrong_methods
@@ -22,6 +24,8 @@ class ModelConfig:
     target/draft: a local Hugging Face folder, a `.gguf` file, or None for the bundled pair.
     draft_dtype None: the target's dtype (a different drafter dtype changes acceptance, never output).
     chat_template: wrap text prompts in the tokenizer's chat template when it has one.
+    allow_special_tokens: parse control tokens spelled in prompt text (e.g. `<|im_end|>`); off, prompt
+    text is plain text and cannot forge chat turns.
     """
 
     target: str | None = None
@@ -30,6 +34,24 @@ class ModelConfig:
     draft_dtype: str | None = None
     device: str = "cpu"
     chat_template: bool = True
+    allow_special_tokens: bool = False
+
+
+def _require_int(name: str, value: object, optional: bool = False) -> None:
+    """Refuse anything but an integer (None too when `optional`). Without this, 2.5 tokens fails
+    deep inside torch and a string seed is silently hashed; bool is an int subclass in Python but
+    `batch_size=True` is a mistake, not a request."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise BatchspecError(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}")
+
+
+def _require_finite(name: str, value: object) -> None:
+    """Refuse non-numbers, NaN and infinities: NaN passes every `<`/`>` range check (a NaN
+    temperature decoded token 0 forever)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise BatchspecError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +76,10 @@ class SpecConfig:
     generator_seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("num_draft_tokens", "batch_size"):
+            _require_int(name, getattr(self, name))
+        for name in ("window_size", "max_kv_slots", "max_prefill_tokens", "generator_seed"):
+            _require_int(name, getattr(self, name), optional=True)
         if self.method not in METHODS:
             raise BatchspecError(
                 f"unknown method {self.method!r}; choose one of {', '.join(correct_methods())} "
@@ -100,6 +126,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k"):
+            _require_int(name, getattr(self, name))
+        _require_int("seed", self.seed, optional=True)
+        for name in ("temperature", "top_p"):
+            _require_finite(name, getattr(self, name))
         if self.max_new_tokens < 1:
             raise BatchspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:

@@ -70,7 +70,8 @@ class LLM:
     def encode(self, prompt: Prompt) -> list[int]:
         """Text through the tokenizer (and chat template); token ids as given (the engine checks them)."""
         if isinstance(prompt, str):
-            return encode_prompt(self.models.tokenizer, prompt, self.model_config.chat_template)
+            config = self.model_config
+            return encode_prompt(self.models.tokenizer, prompt, config.chat_template, config.allow_special_tokens)
         if isinstance(prompt, bytes) or not isinstance(prompt, Iterable):
             raise BatchspecError(f"a prompt must be text or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)

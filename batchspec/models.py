@@ -202,20 +202,72 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return tuple(dict.fromkeys(ids))
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True) -> list[int]:
+# Stands in for the user's text when the chat template is rendered alone, to find where the text
+# goes in the rendered string; only ever searched for, never tokenized.
+_PROMPT_PLACEHOLDER = "\x00batchspec-prompt\x00"
+
+
+def _render_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _special_spans(tokenizer: PreTrainedTokenizerBase, text: str) -> list[tuple[int, int]]:
+    """Character spans of `text` that the tokenizer turns into special (control) tokens."""
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [tuple(span) for i, span in zip(enc["input_ids"], enc["offset_mapping"]) if i in special]
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, text: str, split_special_tokens: bool) -> list[int]:
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)["input_ids"])
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool = True, allow_special_tokens: bool = False
+) -> list[int]:
     """Token ids for one user prompt, wrapped in the chat template when the tokenizer has one.
 
     The rendered template already contains any special tokens it needs, so it is tokenized without
-    adding special tokens a second time.
+    adding special tokens a second time. The user's text is tokenized as plain text, as serving
+    engines do: otherwise a prompt spelling `<|im_end|>\n<|im_start|>assistant` becomes real
+    control tokens and forges chat turns. `allow_special_tokens` lets such spellings through as
+    control tokens (for prompts that are raw model input on purpose).
+
+    For text that spells no control token the ids are exactly those of the rendered template,
+    tokenized whole (pieces tokenized apart can merge differently at their seams, e.g. "\n" + "\n").
+    Only text that does spell one is tokenized apart, between the template's nearest own control
+    tokens, with special-token parsing off.
     """
     if not text.strip():
         raise BatchspecError("empty prompt")
-    if chat_template and tokenizer.chat_template:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return list(tokenizer.encode(text))
+    if not (chat_template and tokenizer.chat_template):
+        return list(tokenizer.encode(text, split_special_tokens=not allow_special_tokens))
+    rendered = _render_chat(tokenizer, text)
+    ids = _tokenize(tokenizer, rendered, split_special_tokens=False)
+    if allow_special_tokens:
+        return ids
+    prefix, found, suffix = _render_chat(tokenizer, _PROMPT_PLACEHOLDER).partition(_PROMPT_PLACEHOLDER)
+    if not (found and rendered.startswith(prefix) and rendered.endswith(suffix)
+            and len(prefix) + len(suffix) <= len(rendered)):
+        # the template transforms the text beyond trimming, so its place in `rendered` is unknown
+        if _special_spans(tokenizer, text):
+            raise BatchspecError("the prompt spells control tokens and this model's chat template does not insert "
+                                 "prompts verbatim, so they cannot be kept as text: pass --allow-special-tokens "
+                                 "or --no-chat-template")
+        return ids
+    start, end = len(prefix), len(rendered) - len(suffix)
+    if not any(s < end and e > start for s, e in _special_spans(tokenizer, rendered)):
+        return ids
+    head = max((e for _, e in _special_spans(tokenizer, prefix)), default=0)
+    tail = end + min((s for s, _ in _special_spans(tokenizer, suffix)), default=len(suffix))
+    return (
+        _tokenize(tokenizer, rendered[:head], split_special_tokens=False)
+        + _tokenize(tokenizer, rendered[head:tail], split_special_tokens=True)
+        + _tokenize(tokenizer, rendered[tail:], split_special_tokens=False)
+    )
 
 
 def _tiny_config(arch: str, vocab_size: int, hidden: int, layers: int, init_std: float) -> PreTrainedConfig:

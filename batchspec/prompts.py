@@ -1,12 +1,22 @@
-"""Reading prompt files: JSONL (`prompt`, or SpecBench's `turns`) or plain text, one prompt a line."""
+"""Reading prompt files: JSONL (`prompt`, or SpecBench's `turns`) or plain text, one prompt a line.
+
+Files are read as bytes and decoded line by line, so one bad line (invalid JSON, invalid UTF-8, a
+record without a prompt) becomes an error record for that line instead of costing the whole batch.
+"""
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import BatchspecError
+
+FORMATS = ("auto", "jsonl", "text")
+# JSON lines under any of its usual names, in any case (`.JSONL` read as text would decode the raw
+# JSON of every line as the prompt)
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
 @dataclass
@@ -33,23 +43,57 @@ def _from_json(obj: object, line_no: int) -> PromptRecord:
     return PromptRecord(rid, "", category, error="no `prompt` string or `turns` list in this record")
 
 
-def load_prompts(path: str | Path) -> list[PromptRecord]:
-    """All prompts of a file, in order. `.jsonl`/`.json` files are read as JSON lines; anything else
-    as plain text with one prompt per non-empty line."""
-    path = Path(path)
-    if not path.is_file():
+def detect_format(path: Path, lines: list[bytes]) -> str:
+    """`jsonl` for a JSON-lines suffix (any case) or, whatever the name, when the first non-empty
+    line opens a JSON object; `text` otherwise."""
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        return "jsonl"
+    first = next((line.strip() for line in lines if line.strip()), b"")
+    return "jsonl" if first.startswith(b"{") else "text"
+
+
+def _read_lines(path: Path) -> list[bytes]:
+    """The file's lines as bytes, without a leading UTF-8 byte order mark (which would otherwise
+    become part of the first prompt, or make its JSON invalid)."""
+    if path.is_dir():
+        raise BatchspecError(f"prompts path is a directory, not a file: {path}")
+    if not path.exists():
         raise BatchspecError(f"prompts file not found: {path}")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if path.suffix not in (".jsonl", ".json"):
-        return [PromptRecord(str(i), line) for i, line in enumerate(lines) if line.strip()]
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise BatchspecError(f"cannot read prompts file {path}: {err.strerror}") from None
+    return data.removeprefix(codecs.BOM_UTF8).splitlines()
+
+
+def load_prompts(path: str | Path, fmt: str = "auto") -> list[PromptRecord]:
+    """All prompts of a file, in order: one record per non-empty line, with `error` set for a line
+    that is not valid UTF-8 or (JSONL) not a JSON object with a prompt. `fmt` is `jsonl`, `text`
+    or `auto` (see `detect_format`). A record's id is its `id` (or `question_id`) field, else its
+    0-based line number."""
+    if fmt not in FORMATS:
+        raise BatchspecError(f"unknown prompts format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    path = Path(path)
+    lines = _read_lines(path)
+    if fmt == "auto":
+        fmt = detect_format(path, lines)
     records = []
-    for i, line in enumerate(lines):
+    for i, raw in enumerate(lines):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            where = f"byte 0x{raw[err.start]:02x} at column {err.start + 1}"
+            records.append(PromptRecord(str(i), "", error=f"line {i + 1} is not valid UTF-8 ({where})"))
+            continue
         if not line.strip():
+            continue
+        if fmt == "text":
+            records.append(PromptRecord(str(i), line))
             continue
         try:
             records.append(_from_json(json.loads(line), i))
         except json.JSONDecodeError as err:
             records.append(PromptRecord(str(i), "", error=f"invalid JSON on line {i + 1}: {err.msg}"))
     if not records:
-        raise BatchspecError(f"no prompts in {path}")
+        raise BatchspecError(f"no prompts in {path}: it has no non-empty lines")
     return records

@@ -131,7 +131,6 @@ def test_compare_with_oracle() -> None:
     assert compare([1, 2], [1, 2, 3, 4]) == Match(False, 0.5, 2)  # stopped early
 
 
-@pytest.mark.skipif(not SPECBENCH_FILE.is_file(), reason="SpecBench file not present")
 def test_specbench_stratification() -> None:
     prompts, skipped = encode_prompts(SPECBENCH_FILE, lambda text: text.split())
     assert len(prompts) == 480 and skipped == {}

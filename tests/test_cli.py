@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import fcntl
 import json
 
 import pytest
 
-from batchspec.cli import main
+from batchspec.cli import COMMANDS, DESCRIPTION, build_parser, main
+from batchspec.config import BatchspecError, SamplingParams
+from batchspec.llm import LLM
 
 
 def _prompts_file(tmp_path):
@@ -67,3 +71,245 @@ def test_bad_input_is_one_clear_line(tmp_path, tiny_pair_dirs, capsys, extra, me
 def test_missing_prompts_file(capsys):
     assert main(["generate", "--prompts", "/nonexistent.jsonl"]) == 2
     assert "prompts file not found" in capsys.readouterr().err
+
+
+# ---- bad input, tried as a new user would ------------------------------------------------------
+
+
+def _tiny(tiny_pair_dirs) -> list[str]:
+    target, draft = tiny_pair_dirs
+    return ["--target", str(target), "--draft", str(draft), "--batch-size", "2", "--max-new-tokens", "6"]
+
+
+def _one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"batchspec {command}: error: "), err
+    return err[0]
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _word_prompts(tmp_path, count: int = 5):
+    path = tmp_path / "words.jsonl"
+    words = ["the water is long", "call him now", "write the number", "you were there", "make more people",
+             "find the way", "look down", "go first"]
+    lines = [json.dumps({"id": f"w{i}", "prompt": words[i % len(words)]}) for i in range(count)]
+    path.write_text("\n".join(lines[:2] + ["{broken"] + lines[2:]) + "\n")  # one error record, written at once
+    return path
+
+
+@pytest.mark.parametrize(
+    "command, extra, message",
+    [
+        ("generate", ["--temperature", "nan"], "argument --temperature: must be a finite number, got 'nan'"),
+        ("generate", ["--top-p", "inf"], "argument --top-p: must be a finite number, got 'inf'"),
+        ("generate", ["--temperature", "warm"], "argument --temperature: must be a number, got 'warm'"),
+        ("generate", ["--limit", "-1"], "argument --limit: must be >= 1, got -1"),
+        ("generate", ["--limit", "0"], "argument --limit: must be >= 1, got 0"),
+        ("generate", ["--resume"], "--resume continues an earlier run's --output: give --output"),
+        ("bench", ["--temperature=-inf"], "argument --temperature: must be a finite number, got '-inf'"),
+        ("audit", ["--limit", "-1"], "argument --limit: must be >= 1, got -1"),
+        ("audit", ["--margin", "nan"], "argument --margin: must be a finite number, got 'nan'"),
+        ("audit", ["--margin", "-1"], "--margin must be >= 0, got -1.0"),
+        ("audit", ["--draft", "x"], "unrecognized arguments: --draft x"),
+        ("verify-distribution", ["--limit", "-1"], "argument --limit: must be >= 1, got -1"),
+        ("verify-distribution", ["--alpha", "2"], "--alpha must be in (0, 1), got 2.0"),
+        ("verify-distribution", ["--alpha", "0"], "--alpha must be in (0, 1), got 0.0"),
+        ("verify-distribution", ["--alpha", "nan"], "argument --alpha: must be a finite number, got 'nan'"),
+        ("verify-distribution", ["--min-expected", "0"], "--min-expected must be > 0, got 0.0"),
+        ("verify-distribution", ["--samples", "0"], "--samples must be >= 1"),
+        ("verify-distribution", ["--positions", "2"], "--positions must be >= 3"),
+        ("verify-distribution", ["--samples", "1.5"], "argument --samples: invalid int value: '1.5'"),
+    ],
+)
+def test_bad_numbers_are_refused_before_any_model_loads(tmp_path, capsys, command, extra, message):
+    prompts = _word_prompts(tmp_path)
+    required = {
+        "generate": ["--prompts", str(prompts)],
+        "bench": [],
+        "audit": ["--prompts", str(prompts), "--outputs", str(prompts), "--report", str(tmp_path / "r.json")],
+        "verify-distribution": [],
+    }[command]
+    # a target that does not exist: had the check come after model loading, the error would be about it
+    assert main([command, *required, "--target", "/nonexistent/model", *extra]) == 2
+    assert message in _one_error_line(capsys, command)
+
+
+def test_nan_temperature_is_refused_by_the_python_api_too():
+    with pytest.raises(BatchspecError, match="temperature must be a finite number, got nan"):
+        SamplingParams(temperature=float("nan"))
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.txt", "", "no prompts in"),
+    ("empty.jsonl", "", "no prompts in"),
+    ("blank.txt", "\n   \n", "no prompts in"),
+    ("folder", None, "prompts path is a directory, not a file"),
+])
+def test_prompts_files_without_prompts_are_one_clear_line(tmp_path, capsys, name, content, message):
+    path = tmp_path / name
+    path.mkdir() if content is None else path.write_text(content)
+    assert main(["generate", "--prompts", str(path), "--target", "/nonexistent/model"]) == 2
+    assert message in _one_error_line(capsys, "generate")
+
+
+def test_bad_lines_become_error_records_and_a_bom_costs_nothing(tmp_path, tiny_pair_dirs, capsys):
+    prompts = tmp_path / "prompts.TXT"
+    prompts.write_bytes(b"\xef\xbb\xbfthe water is long\ncaf\xe9 now\ncall him now\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--prompts", str(prompts), *_tiny(tiny_pair_dirs), "-o", str(out)]) == 0
+    rows = _rows(out)
+    assert [(r["id"], r["prompt"]) for r in rows] == [("0", "the water is long"), ("1", ""), ("2", "call him now")]
+    assert rows[1]["error"] == "line 2 is not valid UTF-8 (byte 0xe9 at column 4)"
+    assert rows[0]["error"] is None and rows[2]["error"] is None and rows[0]["token_ids"]
+
+
+def test_uppercase_jsonl_is_read_as_json(tmp_path, tiny_pair_dirs, capsys):
+    prompts = tmp_path / "prompts.JSONL"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "the water is long"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--prompts", str(prompts), *_tiny(tiny_pair_dirs), "-o", str(out)]) == 0
+    assert [(r["id"], r["prompt"]) for r in _rows(out)] == [("a", "the water is long")]
+    as_text = ["generate", "--prompts", str(prompts), "--format", "text", *_tiny(tiny_pair_dirs), "-o", str(out)]
+    assert main(as_text) == 0
+    assert _rows(out)[0]["prompt"] == json.dumps({"id": "a", "prompt": "the water is long"})
+
+
+def test_no_prompt_producing_output_exits_1(tmp_path, tiny_pair_dirs, capsys):
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--prompts", str(_word_prompts(tmp_path, 2)), *_tiny(tiny_pair_dirs), "-o", str(out)]
+    assert main([*args, "--max-new-tokens", "100000"]) == 1
+    rows = _rows(out)
+    assert len(rows) == 3 and all(r["error"] for r in rows)
+    assert sum("exceeds the model's context" in r["error"] for r in rows) == 2
+    assert "no prompt produced output (all 3 refused" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, message", [
+    ("folder", "--output is a directory, not a file"),
+    ("file/out.jsonl", "cannot create the folder of --output"),
+    ("words.jsonl", "--output is the --prompts file"),
+])
+def test_a_bad_output_path_is_refused_before_any_model_loads(tmp_path, capsys, where, message):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("a file, not a folder")
+    args = ["generate", "--prompts", str(_word_prompts(tmp_path)), "--target", "/nonexistent/model"]
+    assert main([*args, "-o", str(tmp_path / where)]) == 2
+    assert message in _one_error_line(capsys, "generate")
+
+
+def test_two_runs_cannot_write_one_output(tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    with open(tmp_path / "out.jsonl.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run, mid-way
+        args = ["generate", "--prompts", str(_word_prompts(tmp_path)), "--target", "/nonexistent/model"]
+        assert main([*args, "-o", str(out)]) == 2
+    assert "another run is writing" in _one_error_line(capsys, "generate")
+    assert not out.exists() and not (tmp_path / "out.jsonl.partial").exists()
+
+
+def _stream_interrupted_after(monkeypatch, count: int) -> None:
+    """LLM.stream raising KeyboardInterrupt (Ctrl-C) after `count` finished prompts."""
+    original = LLM.stream
+
+    def stream(self, prompts, params=None):
+        for n, out in enumerate(original(self, prompts, params)):
+            if n == count:
+                raise KeyboardInterrupt
+            yield out
+
+    monkeypatch.setattr(LLM, "stream", stream)
+
+
+def test_ctrl_c_keeps_finished_records_and_resume_completes_the_output(tmp_path, tiny_pair_dirs, monkeypatch, capsys):
+    prompts = _word_prompts(tmp_path, 7)
+    ids = ["w0", "w1", "2", "w2", "w3", "w4", "w5", "w6"]
+    uninterrupted = tmp_path / "reference.jsonl"
+    assert main(["generate", "--prompts", str(prompts), *_tiny(tiny_pair_dirs), "-o", str(uninterrupted)]) == 0
+    out, partial = tmp_path / "out.jsonl", tmp_path / "out.jsonl.partial"
+    args = ["generate", "--prompts", str(prompts), *_tiny(tiny_pair_dirs), "-o", str(out)]
+
+    with monkeypatch.context() as patch:
+        _stream_interrupted_after(patch, 3)
+        assert main(args) == 130
+    assert not out.exists()
+    kept = _rows(partial)  # the error record at once, then prompts in the order they finished
+    assert len(kept) == 4 and kept[0]["id"] == "2" and len({r["id"] for r in kept}) == 4
+    assert "rerun with --resume" in capsys.readouterr().err
+
+    assert main(args) == 2  # a plain rerun would throw the finished records away
+    assert "holds records of an interrupted run: pass --resume" in _one_error_line(capsys, "generate")
+
+    decoded: list[str] = []
+    original = LLM.stream
+
+    def counting_stream(self, prompts, params=None):
+        decoded.extend(prompts)
+        yield from original(self, prompts, params)
+
+    monkeypatch.setattr(LLM, "stream", counting_stream)
+    assert main([*args, "--resume"]) == 0
+    assert len(decoded) == 4  # only the prompts without a record
+    assert json.loads(capsys.readouterr().out)["resumed"] == 4
+    rows = _rows(out)
+    assert [r["id"] for r in rows] == ids  # every prompt exactly once, in input order
+    keys = ("id", "prompt", "token_ids", "text", "finish_reason", "error")
+    assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in _rows(uninterrupted)]
+    assert not partial.exists() and not (tmp_path / "out.jsonl.lock").exists()
+
+    decoded.clear()  # resuming a finished output decodes nothing and loads no model
+    assert main([*args[:3], "--target", "/nonexistent/model", "-o", str(out), "--resume"]) == 0
+    assert not decoded and [r["id"] for r in _rows(out)] == ids
+
+
+def test_resume_refuses_duplicate_ids(tmp_path, capsys):
+    prompts = tmp_path / "dup.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n" + json.dumps({"id": "a", "prompt": "y"}) + "\n")
+    assert main(["generate", "--prompts", str(prompts), "-o", str(tmp_path / "o.jsonl"), "--resume"]) == 2
+    assert "id 'a' is on more than one line" in _one_error_line(capsys, "generate")
+
+
+def test_prompt_text_cannot_forge_control_tokens_unless_allowed(tmp_path, tiny_pair_dirs, capsys):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the water </s> is long\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--prompts", str(prompts), *_tiny(tiny_pair_dirs), "-o", str(out)]
+    eos = 1  # </s> in the tiny tokenizer
+    assert main(args) == 0
+    assert eos not in _rows(out)[0]["prompt_token_ids"]
+    assert main([*args, "--allow-special-tokens"]) == 0
+    assert eos in _rows(out)[0]["prompt_token_ids"]
+
+
+# ---- --help ---------------------------------------------------------------------------------------
+
+
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser(COMMANDS)
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_top_level_help_describes_the_tool_and_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert DESCRIPTION in out and "examples:" in out
+    for name in COMMANDS:
+        assert f"batchspec {name}" in out
+
+
+def test_every_option_has_help_and_shows_its_default(capsys):
+    for name, parser in _command_parsers().items():
+        for action in parser._actions:
+            assert action.help, (name, action.option_strings)
+    options = {name: {s for a in p._actions for s in a.option_strings} for name, p in _command_parsers().items()}
+    for name in ("generate", "bench", "audit", "verify-distribution"):
+        assert "--format" in options[name] and "--allow-special-tokens" in options[name]
+    assert "--draft" in options["generate"] and not {"--draft", "--draft-dtype"} & options["audit"]
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "token budget per prompt (default: 64)" in out and "(default: None)" not in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib import resources
 from itertools import zip_longest
 from pathlib import Path
 
@@ -18,7 +19,10 @@ from ..prompts import load_prompts
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 TASK_GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-SPECBENCH_FILE = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+# Shipped inside the package (batchspec/data/spec_bench, with its source and licence) so a fresh
+# clone or a plain `pip install` can benchmark. setuptools installs packages as plain files, so the
+# resource is a real path that load_prompts can open.
+SPECBENCH_FILE = Path(str(resources.files("batchspec").joinpath("data", "spec_bench", "question.jsonl")))
 
 
 def task_group(category: str | None) -> str | None:
@@ -41,16 +45,17 @@ class BenchPrompt:
 
 
 def encode_prompts(
-    path: str | Path, encode: Callable[[str], list[int]], max_tokens: int | None = None
+    path: str | Path, encode: Callable[[str], list[int]], max_tokens: int | None = None, fmt: str = "auto"
 ) -> tuple[list[BenchPrompt], dict[str, int]]:
-    """Every readable prompt of `path`, encoded; and how many were skipped, by reason.
+    """Every readable prompt of `path` (read as `fmt`, see load_prompts), encoded; and how many
+    were skipped, by reason.
 
     `max_tokens` drops prompts longer than that many tokens *before* any selection, so a length
     cap still yields the requested number of prompts per group when enough short ones exist.
     """
     kept: list[BenchPrompt] = []
     skipped: dict[str, int] = {}
-    for record in load_prompts(path):
+    for record in load_prompts(path, fmt):
         reason = record.error
         ids: list[int] = []
         if reason is None:

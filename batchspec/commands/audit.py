@@ -12,25 +12,32 @@ from pathlib import Path
 
 from ..config import BatchspecError
 from ..forensics.audit import Auditor, markdown_summary, pair_items, read_outputs
-from ..models import encode_prompt
 from ..prompts import load_prompts
-from .common import add_model_arguments, load_models
+from .common import (
+    add_model_arguments,
+    add_prompt_format_argument,
+    finite_float,
+    load_models,
+    positive_int,
+    prompt_encoder,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help="the prompts file the run decoded (JSONL or text, as for generate)")
+    add_prompt_format_argument(p)
     p.add_argument("--outputs", required=True, help="JSONL with `id` and `token_ids` or `text` (any program's)")
     p.add_argument("--report", required=True, help="write the JSON report here")
     p.add_argument("--markdown", help="also write the Markdown summary here")
     p.add_argument("--oracle-cache", help="JSON file to load plain-decoding outputs from and save them to")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="the run's token budget (default 64)")
-    p.add_argument("--limit", type=int, help="only the first N prompts (as generate --limit)")
-    p.add_argument("--margin", type=float, help="fp-tie margin in logits (default: calibrated on the model)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="the run's token budget")
+    p.add_argument("--limit", type=positive_int, help="only the first N prompts (as generate --limit)")
+    p.add_argument("--margin", type=finite_float, help="fp-tie margin in logits (default: calibrated on the model)")
     p.add_argument("--calibration-rows", type=int, default=8, help="prefixes measured to calibrate the margin")
-    add_model_arguments(p)
+    add_model_arguments(p, with_draft=False)
     p.epilog = (
-        "Pass the run's own --target, --dtype, --max-new-tokens and --no-chat-template: the oracle must "
-        "decode exactly what the run decoded. --draft is not used."
+        "Pass the run's own --target, --dtype, --max-new-tokens, --no-chat-template and --allow-special-tokens: "
+        "the oracle must decode exactly what the run decoded."
     )
 
 
@@ -39,13 +46,14 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.calibration_rows < 1:
         raise BatchspecError(f"--calibration-rows must be >= 1, got {args.calibration_rows}")
-    every = load_prompts(args.prompts)
+    if args.margin is not None and args.margin < 0:
+        raise BatchspecError(f"--margin must be >= 0, got {args.margin}")
+    every = load_prompts(args.prompts, args.format)
     records = every[: args.limit]
     beyond_limit = {r.id for r in every[len(records) :]}  # left out on purpose, not missing prompts
     outputs = [o for o in read_outputs(args.outputs) if o.id not in beyond_limit]
     models = load_models(args, need_draft=False)
-    chat_template = not args.no_chat_template
-    items = pair_items(records, outputs, lambda text: encode_prompt(models.tokenizer, text, chat_template))
+    items = pair_items(records, outputs, prompt_encoder(args, models))
     auditor = Auditor(
         models.target,
         models.tokenizer,
@@ -59,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         prompts=str(args.prompts),
         outputs=str(args.outputs),
         target=args.target or "bundled",
-        chat_template=chat_template,
+        chat_template=not args.no_chat_template,
+        allow_special_tokens=args.allow_special_tokens,
     )
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
     Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

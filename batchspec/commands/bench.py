@@ -22,8 +22,8 @@ from ..bench.runner import ALL, BenchSettings, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
 from ..config import BatchspecError
 from ..kv import context_limit
-from ..models import ModelPair, encode_prompt, eos_token_ids
-from .common import add_model_arguments, load_models
+from ..models import ModelPair, eos_token_ids
+from .common import add_model_arguments, add_prompt_format_argument, finite_float, load_models, prompt_encoder
 
 DEFAULT_NUM_PROMPTS = 12  # two per SpecBench task group: a quick look, not the protocol
 
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prompts")
     g.add_argument("--prompts", help=f"JSONL (`prompt` or SpecBench `turns`, optional `category`) or text file "
                    f"(default: SpecBench, {DEFAULT_NUM_PROMPTS} prompts spread over its 6 task groups)")
+    add_prompt_format_argument(g)
     g.add_argument("--suite", choices=["specbench"], help="SpecBench protocol: all 480 prompts (or the stratified "
                    "subset chosen by --num-prompts/--per-category), each task group measured as its own run")
     g.add_argument("--num-prompts", type=int, help="this many prompts, spread evenly across task groups")
@@ -42,17 +43,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "ragged, exspec, hf (transformers generate, batched greedy), hf-assisted (generate with the "
                    "drafter, batch 1 only), and the deliberately wrong naive-kv, naive-positions, naive-bonus; "
                    "e.g. ar@1,ar@4,eqspec@4,ragged@4,ragged+continuous@4,hf@4,hf-assisted@1. "
-                   f"Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base). "
-                   f"Default: {DEFAULT_METHODS}")
+                   "Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base).")
     g.add_argument("--batch-sizes", default="4", help="comma-separated batch sizes for methods given without @batch")
-    g.add_argument("--num-draft-tokens", "-k", type=int, default=5)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=5, help="K: tokens the drafter proposes per round")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="token budget per prompt")
     g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window")
     g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
     g = p.add_argument_group("sampling (default greedy)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]; 1 = off")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
     g.add_argument("--seed", type=int, help="needed with --temperature > 0: seeded (coupled) sampling has one right "
                    "answer to check exactness against")
     g = p.add_argument_group("output")
@@ -75,9 +75,8 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
     limits = [x - args.max_new_tokens for x in limits if x is not None]
     if args.max_prompt_tokens is not None:
         limits.append(args.max_prompt_tokens)
-    chat = not args.no_chat_template
     candidates, skipped = encode_prompts(
-        path, lambda text: encode_prompt(models.tokenizer, text, chat), min(limits) if limits else None
+        path, prompt_encoder(args, models), min(limits) if limits else None, fmt=args.format
     )
     chosen = select(candidates, count, args.per_category)
     if not chosen:
@@ -88,7 +87,8 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
         "file": str(path), "count": len(chosen), "available": len(candidates), "skipped": skipped,
         "groups": groups if group_order(chosen) != [None] else None,
         "prompt_tokens": {"mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
-        "chat_template": chat,
+        "chat_template": not args.no_chat_template,
+        "allow_special_tokens": args.allow_special_tokens,
     }
     return chosen, info
 

@@ -3,32 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import BatchspecError
-from ..llm import RequestOutput
-from ..prompts import load_prompts
+from ..config import BatchspecError, SamplingParams, SpecConfig
+from ..engine import EngineStats
+from ..llm import LLM, RequestOutput
+from ..prompts import PromptRecord, load_prompts
 from ..reference import reference_decode
 from .common import (
     add_decoding_arguments,
     add_model_arguments,
+    add_prompt_format_argument,
     add_sampling_arguments,
     load_models,
     make_llm,
     params_for,
+    positive_int,
+    prompt_encoder,
     spec_from_args,
 )
+from .outputs import ResumableOutput
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help="JSONL (`prompt` or SpecBench `turns`) or text, one per line")
-    p.add_argument("--output", "-o", help="write outputs as JSONL here (default: stdout summary only)")
-    p.add_argument("--limit", type=int, help="only the first N prompts")
+    add_prompt_format_argument(p)
+    p.add_argument("--output", "-o", help="write one JSON line per prompt here, in input order (default: print the "
+                   "summary only); records go to OUTPUT.partial as prompts finish, so an interrupted run keeps them")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run: keep the records already in "
+                   "--output or its .partial and decode only the prompts that have none")
+    p.add_argument("--limit", type=positive_int, help="only the first N prompts")
     p.add_argument("--verify", action="store_true", help="also decode each prompt alone, plainly, and count exact matches")
     add_model_arguments(p)
     add_decoding_arguments(p)
@@ -55,28 +66,29 @@ def summarize(outputs: list[RequestOutput], wall: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    records = load_prompts(args.prompts)[: args.limit]
+    records = load_prompts(args.prompts, args.format)[: args.limit]
     if args.verify and args.temperature > 0 and args.seed is None:
         raise BatchspecError("--verify with --temperature > 0 needs --seed: unseeded sampling has no single "
                              "right answer (use `batchspec verify-distribution` for its distribution)")
+    if args.output and Path(args.output).resolve() == Path(args.prompts).resolve():
+        raise BatchspecError(f"--output is the --prompts file ({args.prompts}): writing it would destroy the prompts")
+    if args.resume:
+        _check_resumable(args, records)
     spec = spec_from_args(args)
     params = params_for(args, len(records))  # validated before the (slow) model loading
-    models = load_models(args, need_draft=spec.speculative)
-    llm = make_llm(args, models, spec)
-    readable = [i for i, r in enumerate(records) if r.error is None]
-    outputs: dict[int, RequestOutput] = {
-        i: RequestOutput(i, r.text, [], error=r.error) for i, r in enumerate(records) if r.error is not None
-    }
-    start = time.perf_counter()
-    with tqdm(total=len(readable), desc=f"{spec.method} b{spec.batch_size}", unit="prompt", file=sys.stderr) as bar:
-        for out in llm.stream([records[i].text for i in readable], [params[i] for i in readable]):
-            out.index = readable[out.index]
-            outputs[out.index] = out
-            bar.update(1)
-    wall = time.perf_counter() - start
-    ordered = [outputs[i] for i in range(len(records))]
-    summary = summarize(ordered, wall)
-    stats = llm.stats
+    # the output is opened (path checked, lock taken) before any decoding, so a bad path costs nothing
+    with ResumableOutput(args.output, args.resume) if args.output else contextlib.nullcontext() as output:
+        previous = output.previous if output else {}
+        todo = [i for i, r in enumerate(records) if r.id not in previous]
+        decoded = _decode(args, spec, records, params, todo, output)
+        rows = [_row(r, decoded.outputs[i]) if i in decoded.outputs else previous[r.id] for i, r in enumerate(records)]
+        if output:
+            output.finish(rows)
+    fresh = [decoded.outputs[i] for i in sorted(decoded.outputs)]
+    summary = summarize(fresh, decoded.wall)
+    if args.resume:
+        summary["resumed"] = len(records) - len(todo)
+    stats = decoded.stats
     summary["time_seconds"] = {  # where the time went: model forwards vs everything else
         "prefill": round(stats.prefill_time, 3),
         "draft_forwards": round(stats.draft_time, 3),
@@ -87,19 +99,92 @@ def run(args: argparse.Namespace) -> int:
         round(stats.generated / stats.decode_time, 3) if stats.decode_time > 0 else None
     )
     if args.verify:
-        summary["exact_match"] = _verify(llm, ordered, params)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as f:
-            for rec, out in zip(records, ordered):
-                row = {"id": rec.id, **out.to_json()}
-                row.pop("index")
-                f.write(json.dumps(row) + "\n")
+        summary["exact_match"] = _verify(decoded.llm, fresh, params)
     print(json.dumps(summary, indent=2))
+    if not any(row.get("error") is None for row in rows):
+        print(f"batchspec generate: no prompt produced output (all {len(rows)} refused: see the `error` of each "
+              f"{'record in ' + args.output if args.output else 'prompt (write them with --output)'})",
+              file=sys.stderr)
+        return 1
     return 0
 
 
-def _verify(llm, outputs: list[RequestOutput], params) -> str:
+def _check_resumable(args: argparse.Namespace, records: list[PromptRecord]) -> None:
+    """--resume matches earlier records to prompts by id, so it needs an output and unique ids."""
+    if not args.output:
+        raise BatchspecError("--resume continues an earlier run's --output: give --output")
+    seen: set[str] = set()
+    for r in records:
+        if r.id in seen:
+            raise BatchspecError(f"--resume matches records to prompts by id, but id {r.id!r} is on more than one "
+                                 f"line of {args.prompts}")
+        seen.add(r.id)
+
+
+@dataclass
+class _Run:
+    """What one generate run decoded: outputs by input index, and the LLM that did it (None when
+    nothing was left to decode, so no model was loaded)."""
+
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)
+    llm: LLM | None = None
+    wall: float = 0.0
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.llm.stats if self.llm else EngineStats()
+
+
+def _decode(
+    args: argparse.Namespace,
+    spec: SpecConfig,
+    records: list[PromptRecord],
+    params: list[SamplingParams],
+    todo: list[int],
+    output: ResumableOutput | None,
+) -> _Run:
+    """Decode the prompts at input indices `todo`, handing each record to `output` as it finishes."""
+    decoded = _Run()
+
+    def finished(out: RequestOutput) -> None:
+        decoded.outputs[out.index] = out
+        if output:
+            output.write(_row(records[out.index], out))
+
+    for i in todo:
+        if records[i].error is not None:
+            finished(RequestOutput(i, records[i].text, [], error=records[i].error))
+    readable = [i for i in todo if records[i].error is None]
+    if not readable:
+        return decoded
+    models = load_models(args, need_draft=spec.speculative)
+    decoded.llm = make_llm(args, models, spec)
+    encode = prompt_encoder(args, models)
+    ids: dict[int, list[int]] = {}
+    for i in readable:
+        try:
+            ids[i] = encode(records[i].text)
+        except BatchspecError as err:
+            finished(RequestOutput(i, records[i].text, [], error=str(err)))
+    order = list(ids)
+    start = time.perf_counter()
+    with tqdm(total=len(order), desc=f"{spec.method} b{spec.batch_size}", unit="prompt", file=sys.stderr) as bar:
+        for out in decoded.llm.stream([ids[i] for i in order], [params[i] for i in order]):
+            out.index = order[out.index]
+            out.prompt = records[out.index].text
+            finished(out)
+            bar.update(1)
+    decoded.wall = time.perf_counter() - start
+    return decoded
+
+
+def _row(record: PromptRecord, out: RequestOutput) -> dict:
+    row = {"id": record.id, **out.to_json()}
+    row.pop("index")
+    return row
+
+
+def _verify(llm: LLM | None, outputs: list[RequestOutput], params: list[SamplingParams]) -> str:
     """Exact matches against plain decoding of each prompt alone."""
     ok = [o for o in outputs if o.error is None]
     matches = 0

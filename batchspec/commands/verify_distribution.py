@@ -26,7 +26,16 @@ from ..distribution import compare_positions, exact_rejection_check
 from ..engine import Engine
 from ..methods import build_engine
 from ..prompts import load_prompts
-from .common import add_decoding_arguments, add_model_arguments, load_models, make_llm, spec_from_args
+from .common import (
+    add_decoding_arguments,
+    add_model_arguments,
+    add_prompt_format_argument,
+    finite_float,
+    load_models,
+    make_llm,
+    positive_int,
+    spec_from_args,
+)
 
 DEFAULT_PROMPTS = (
     "Write a haiku about caches.",
@@ -46,15 +55,17 @@ EXACT_TOLERANCE = 1e-9
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="prompts file (JSONL or text); default: three built-in prompts")
-    p.add_argument("--limit", type=int, default=3, help="only the first N prompts")
-    p.add_argument("--samples", type=int, default=1000, help="continuations drawn per prompt and method")
-    p.add_argument("--positions", type=int, default=4, help="M: generated positions compared per prompt")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    add_prompt_format_argument(p)
+    p.add_argument("--limit", type=positive_int, default=3, help="only the first N prompts")
+    p.add_argument("--samples", type=int, default=1000, help="continuations drawn per prompt and method (>= 1)")
+    p.add_argument("--positions", type=int, default=4, help="M: generated positions compared per prompt (>= 3)")
+    p.add_argument("--temperature", type=finite_float, default=1.0, help="sampling temperature (> 0)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
     p.add_argument("--seed", type=int, default=0, help="seed of the engines' generators (requests stay unseeded)")
-    p.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level")
-    p.add_argument("--min-expected", type=float, default=5.0, help="merge rarer tokens into an 'other' bin")
+    p.add_argument("--alpha", type=finite_float, default=0.01, help="family-wise significance level, in (0, 1)")
+    p.add_argument("--min-expected", type=finite_float, default=5.0,
+                   help="merge tokens expected fewer times than this (> 0) into an 'other' bin")
     p.add_argument("--report", help="write the full results as JSON here")
     add_model_arguments(p)
     add_decoding_arguments(p)
@@ -87,13 +98,20 @@ def run(args: argparse.Namespace) -> int:
         # position 0 comes from the prefill and a round drafts at most (budget left - 1) tokens, so
         # speculation only enters from the third position on
         raise BatchspecError("--positions must be >= 3: the first two positions never involve drafts")
+    if not 0 < args.alpha < 1:
+        raise BatchspecError(f"--alpha must be in (0, 1), got {args.alpha}")
+    if args.min_expected <= 0:
+        raise BatchspecError(f"--min-expected must be > 0, got {args.min_expected}")
     params = SamplingParams(max_new_tokens=args.positions, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if params.greedy:
         raise BatchspecError("--temperature 0 is greedy: use `batchspec generate --verify` for exact matches")
     exact = _exact_results()
     spec = spec_from_args(args)
     plain_spec = spec_from_args(args, method="ar", scheduler="static")
-    texts = [r.text for r in load_prompts(args.prompts) if r.error is None] if args.prompts else list(DEFAULT_PROMPTS)
+    if args.prompts:
+        texts = [r.text for r in load_prompts(args.prompts, args.format) if r.error is None]
+    else:
+        texts = list(DEFAULT_PROMPTS)
     texts = texts[: args.limit]
     if not texts:
         raise BatchspecError("no usable prompts")

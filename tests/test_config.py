@@ -1,0 +1,55 @@
+"""SpecConfig and SamplingParams refuse what would otherwise fail deep inside torch or decode garbage."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from batchspec.config import BatchspecError, SamplingParams, SpecConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": math.nan}, "temperature must be a finite number, got nan"),
+        ({"temperature": math.inf}, "temperature must be a finite number, got inf"),
+        ({"temperature": "0.7"}, "temperature must be a finite number, got '0.7'"),
+        ({"top_p": math.nan}, "top_p must be a finite number, got nan"),
+        ({"top_p": -math.inf}, "top_p must be a finite number, got -inf"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer, got 2.5"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True"),
+        ({"top_k": 1.0}, "top_k must be an integer, got 1.0"),
+        ({"seed": "x"}, "seed must be an integer or None, got 'x'"),
+        ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
+        ({"seed": False}, "seed must be an integer or None, got False"),
+    ],
+)
+def test_sampling_params_refuse_non_finite_and_non_integer_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(BatchspecError) as err:
+        SamplingParams(**kwargs)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_draft_tokens": 2.5}, "num_draft_tokens must be an integer, got 2.5"),
+        ({"batch_size": True}, "batch_size must be an integer, got True"),
+        ({"batch_size": "4"}, "batch_size must be an integer, got '4'"),
+        ({"window_size": 8.0}, "window_size must be an integer or None, got 8.0"),
+        ({"max_kv_slots": "1024"}, "max_kv_slots must be an integer or None, got '1024'"),
+    ],
+)
+def test_spec_config_refuses_non_integer_sizes(kwargs: dict, message: str) -> None:
+    with pytest.raises(BatchspecError) as err:
+        SpecConfig(**kwargs)
+    assert str(err.value) == message
+
+
+def test_integer_and_real_types_other_than_int_and_float_are_accepted() -> None:
+    params = SamplingParams(max_new_tokens=np.int64(8), temperature=np.float32(0.5), top_k=0, seed=np.int32(3))
+    assert params.max_new_tokens == 8 and not params.greedy
+    assert SpecConfig(method="exspec", batch_size=np.int64(2), window_size=4, max_kv_slots=None).batch_size == 2
+    assert SamplingParams(temperature=1).temperature == 1  # an int temperature is a number
