@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -103,3 +104,17 @@ def right_padded(prompts: list[list[int]], device: torch.device) -> tuple[torch.
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
     return ids, lengths
+
+
+def left_padded(
+    prompts: Sequence[Sequence[int]], device: torch.device, pad_id: int = FILLER_TOKEN
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded [k, P] tensor (real tokens end at the last column, as EQSPEC's
+    rectangle and transformers' `generate` want them), plus its attention mask (1 = real token)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[b, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)

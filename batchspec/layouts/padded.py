@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FILLER_TOKEN, Layout
+from .base import Layout, left_padded
 
 
 class PaddedLayout(Layout):
@@ -26,9 +26,7 @@ class PaddedLayout(Layout):
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
         width = int(lengths.max())
         pads = width - lengths
-        ids = torch.full((len(prompts), width), FILLER_TOKEN, dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
-            ids[b, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        ids, _ = left_padded(prompts, self.device)
         self.pads, self.lengths, self.width = pads, lengths, 0
         return self._feed(ids, logits_to_keep=1)[:, -1]
 
