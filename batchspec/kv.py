@@ -236,3 +236,30 @@ def prefix_kv(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     cache = new_dynamic_cache(model)
     forward_plain(model, torch.tensor([token_ids], device=next(model.parameters()).device), cache)
     return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+
+
+@torch.inference_mode()
+def forward_all_positions(model: torch.nn.Module, token_ids: list[int], keep: int) -> torch.Tensor:
+    """Logits [keep, vocab] (float32) of the last `keep` positions of one batch-1 forward over
+    `token_ids`, on transformers' own DynamicCache and default causal mask.
+
+    Teacher forcing: row i predicts token_ids[len - keep + i + 1] from everything before it, so
+    checking a whole continuation costs one forward instead of one decoding step per token.
+    """
+    if not 1 <= keep <= len(token_ids):
+        raise ValueError(f"keep must be in [1, {len(token_ids)}], got {keep}")
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    out = model(input_ids=ids, cache=new_dynamic_cache(model), use_cache=True, logits_to_keep=keep)
+    return out.logits[0].float()
+
+
+@torch.inference_mode()
+def forward_left_padded(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last-position logits [b, vocab] (float32) of one left-padded batch, without a cache, the way
+    transformers' `generate` batches: positions count real tokens only, pads are masked out."""
+    positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, logits_to_keep=1
+    )
+    return out.logits[:, -1].float()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import transformers
 
-from ..forensics.audit import FP_TIE, SYNC_ERROR
+from ..forensics.compare import FP_TIE, SYNC_ERROR
 from .exactness import Match
 from .methods import BASELINE_SPEC
 from .runner import ALL, MethodResult, RowResult, Timing

@@ -20,9 +20,12 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from ..config import BatchspecError, SamplingParams, SpecConfig
+from ..forensics.oracle import Oracle
+from ..kv import forward_all_positions
+from ..layouts.base import left_padded
 from ..llm import LLM
 from ..models import ModelPair
-from .exactness import Classifier, Match, Oracle, compare
+from .exactness import Classifier, Match, compare
 from .methods import HF_ASSISTED, MethodSpec
 from .specbench import BenchPrompt
 
@@ -104,14 +107,12 @@ def _bar(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, leave=False)
 
 
-@torch.inference_mode()
 def warm_up(models: ModelPair, prompt: Sequence[int]) -> None:
     """One short forward per model before any timing, so lazy initialisation (kernels, allocator,
     thread pools) is not billed to whichever method happens to run first."""
     for model in (models.target, models.draft):
         if model is not None:
-            device = next(model.parameters()).device
-            model(input_ids=torch.tensor([list(prompt[:8])], device=device))
+            forward_all_positions(model, list(prompt[:8]), keep=1)
 
 
 # ---- our engine -------------------------------------------------------------------------------
@@ -219,16 +220,6 @@ def _plain_generation_configs(models: ModelPair, num_draft_tokens: int) -> Itera
             model.generation_config = config
 
 
-def _left_pad(batch: list[BenchPrompt], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p.token_ids) for p in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for b, p in enumerate(batch):
-        ids[b, width - len(p.token_ids):] = torch.tensor(p.token_ids)
-        mask[b, width - len(p.token_ids):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _until_stop(tokens: list[int], stop_ids: frozenset[int], limit: int) -> list[int]:
     """A generate() row up to and including its first stop token (the rest is padding)."""
     out: list[int] = []
@@ -265,7 +256,7 @@ def run_hf(
             start = time.perf_counter()
             for lo in range(0, len(prompts), spec.batch_size):
                 batch = prompts[lo: lo + spec.batch_size]
-                ids, mask = _left_pad(batch, pad_id, device)
+                ids, mask = left_padded([p.token_ids for p in batch], device, pad_id)
                 timeline = _Timeline(len(batch), stops, settings.max_new_tokens, start)
                 drafted_before = drafts.calls
                 batch_start = time.perf_counter() - start

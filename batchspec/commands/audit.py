@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 
 from ..config import BatchspecError
-from ..forensics.audit import Auditor, markdown_summary, pair_items, read_outputs
+from ..forensics.audit import Auditor
+from ..forensics.audit_inputs import pair_items, read_outputs
+from ..forensics.report import markdown_summary
 from ..prompts import load_prompts
 from .common import (
     add_model_arguments,

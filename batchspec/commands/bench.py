@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
-from ..bench.exactness import AuditClassifier, Oracle
+from ..bench.exactness import AuditClassifier
 from ..bench.methods import DEFAULT_METHODS, parse_batch_sizes, parse_methods
 from ..bench.plots import write_plots
 from ..bench.report import NOISE_NOTE, build_report, machine_info, render_tables, write_csv
 from ..bench.runner import ALL, BenchSettings, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
 from ..config import BatchspecError
+from ..forensics.oracle import Oracle
 from ..kv import context_limit
 from ..models import ModelPair, eos_token_ids
 from .common import add_model_arguments, add_prompt_format_argument, finite_float, load_models, prompt_encoder
@@ -114,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     warm_up(models, prompts[0].token_ids)
     oracle = Oracle(models.target, settings.params, stop_ids)
-    for p in tqdm(prompts, desc="oracle (plain greedy, batch 1)", unit="prompt", file=sys.stderr, leave=False):
-        oracle(p.token_ids)
+    oracle.precompute([p.token_ids for p in prompts], desc="oracle (plain decoding, batch 1)")
     classify = AuditClassifier(models, oracle, [p.token_ids for p in prompts])
     results = [run_method(models, s, prompts, parts, settings, stop_ids, oracle, classify) for s in specs]
 

@@ -48,9 +48,10 @@ def find_loop(tokens: Sequence[int], max_size: int = 8, min_repeats: int = 4) ->
     return best
 
 
-def count_unknown(tokens: Sequence[int], text: str, unk_id: int | None) -> int:
-    """Unknown-token ids plus U+FFFD replacement characters in the decoded text."""
-    unknown = sum(1 for t in tokens if t == unk_id) if unk_id is not None else 0
+def count_unknown(tokens: Sequence[int], text: str, unk_id: int | None, vocab_size: int | None = None) -> int:
+    """Unknown-token ids, ids outside the tokenizer's vocabulary [0, vocab_size) (a model may score
+    more ids than its tokenizer knows, e.g. a padded LM head) and U+FFFD characters in the text."""
+    unknown = sum(1 for t in tokens if t == unk_id or (vocab_size is not None and not 0 <= t < vocab_size))
     return unknown + text.count(REPLACEMENT_CHAR)
 
 
@@ -74,11 +75,12 @@ def corruption_flags(
     oracle_text: str,
     stop_ids: Collection[int],
     unk_id: int | None,
+    vocab_size: int | None = None,
 ) -> dict[str, bool]:
     """Symptoms of corruption in an audited output that its oracle does not show.
 
     - repetition_loop: its longest back-to-back n-gram loop covers more tokens than the oracle's;
-    - unknown_tokens: more unknown ids / U+FFFD than the oracle;
+    - unknown_tokens: more unknown ids (`unk_id`, or outside [0, vocab_size)) / U+FFFD than the oracle;
     - empty: nothing before the first stop token, while the oracle has content;
     - beyond_eos: tokens after a stop token (plain decoding never produces any).
     """
@@ -86,7 +88,8 @@ def corruption_flags(
     loop_cover = audited_loop.covered if audited_loop else 0
     return {
         "repetition_loop": loop_cover > (oracle_loop.covered if oracle_loop else 0),
-        "unknown_tokens": count_unknown(audited, audited_text, unk_id) > count_unknown(oracle, oracle_text, unk_id),
+        "unknown_tokens": count_unknown(audited, audited_text, unk_id, vocab_size)
+        > count_unknown(oracle, oracle_text, unk_id, vocab_size),
         "empty": content_length(audited, stop_ids) == 0 and content_length(oracle, stop_ids) > 0,
         "beyond_eos": tokens_after_stop(audited, stop_ids) > 0,
     }

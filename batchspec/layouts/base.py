@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
@@ -151,12 +151,15 @@ def swap_remove_order(keep: list[bool]) -> list[int]:
     return [i if keep[i] else next(movers) for i in range(n)]
 
 
-def equal_length_runs(prompts: list[list[int]]) -> list[tuple[int, list[list[int]]]]:
-    """(index of the first, prompts) for each maximal run of consecutive prompts of equal length."""
-    runs: list[tuple[int, list[list[int]]]] = []
-    for i, prompt in enumerate(prompts):
-        if runs and len(runs[-1][1][0]) == len(prompt):
-            runs[-1][1].append(prompt)
-        else:
-            runs.append((i, [prompt]))
-    return runs
+def left_padded(
+    prompts: Sequence[Sequence[int]], device: torch.device, pad_id: int = FILLER_TOKEN
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded [k, P] tensor (real tokens end at the last column, as EQSPEC's
+    rectangle and transformers' `generate` want them), plus its attention mask (1 = real token)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[b, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)

@@ -1,0 +1,118 @@
+"""The oracle every check compares with: plain decoding of each prompt alone, computed once.
+
+Both `batchspec audit` and `batchspec bench` use this one class. Outputs are kept in memory for
+the run and, given a path, in a JSON file across runs, keyed by what they depend on: the model's
+weights (`model_identity`), the token budget, the stop ids, the sampling settings and the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Collection, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..config import BatchspecError, SamplingParams
+from ..reference import reference_decode
+
+ORACLE_CACHE_FORMAT = 1
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """A short fingerprint of the weights, dtype, device type and attention kernel: what the
+    oracle's tokens depend on.
+
+    Hashing the first values of every parameter is cheap even for billions of weights and changes
+    with any other checkpoint, fine-tune or dtype, unlike the folder name.
+    """
+    digest = hashlib.sha256()
+    config = model.config
+    device = next(model.parameters()).device.type
+    dtype = next(model.parameters()).dtype
+    digest.update(f"{config.model_type}|{dtype}|{device}|{getattr(config, '_attn_implementation', '')}".encode())
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(str(tuple(param.shape)).encode())
+        digest.update(param.detach().flatten()[:256].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class Oracle:
+    """Plain batch-1 decoding of prompts under one setting (`params`, `stop_ids`), each computed once.
+
+    With `path`, outputs are loaded from and saved to that JSON file (an audit run twice, or a bench
+    followed by an audit of the same prompts, decodes nothing the second time).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: SamplingParams,
+        stop_ids: Collection[int],
+        path: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.params = params
+        self.stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
+        self.path = path
+        self.identity = model_identity(model)
+        self.entries: dict[str, dict[str, Any]] = self._load(path) if path is not None else {}
+        self.dirty = False
+
+    @staticmethod
+    def _load(path: Path) -> dict[str, dict[str, Any]]:
+        if not path.is_file():
+            return {}
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("format") != ORACLE_CACHE_FORMAT or not isinstance(data.get("entries"), dict):
+                raise ValueError("unknown format")
+        except (ValueError, AttributeError) as err:
+            raise BatchspecError(
+                f"{path} is not a batchspec oracle cache ({err}); delete it or pass another file"
+            ) from None
+        return data["entries"]
+
+    def key(self, prompt_ids: Sequence[int]) -> str:
+        """The cache key of one prompt. Greedy keys carry no sampling settings, so files written
+        before sampled oracles existed stay valid."""
+        material: list[Any] = [self.identity, self.params.max_new_tokens, sorted(self.stop_ids), list(prompt_ids)]
+        if not self.params.greedy:
+            p = self.params
+            material.append({"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed})
+        return hashlib.sha256(json.dumps(material).encode()).hexdigest()
+
+    def __call__(self, prompt_ids: Sequence[int]) -> list[int]:
+        """What plain decoding of this prompt alone produces (decoded now unless already known)."""
+        key = self.key(prompt_ids)
+        if key not in self.entries:
+            tokens = reference_decode(self.model, list(prompt_ids), self.params, self.stop_ids)
+            self.entries[key] = {"token_ids": tokens}
+            self.dirty = True
+        return list(self.entries[key]["token_ids"])
+
+    def precompute(self, prompts: Iterable[Sequence[int]], desc: str = "oracle") -> None:
+        """Decode every prompt not known yet, with a progress bar; what was computed is saved even
+        when interrupted."""
+        todo = [p for p in prompts if self.key(p) not in self.entries]
+        try:
+            for prompt in tqdm(todo, desc=desc, unit="prompt", file=sys.stderr, leave=False):
+                self(prompt)
+        finally:
+            self.save()
+
+    def save(self) -> None:
+        """Write atomically, so an interrupted run never leaves a truncated cache behind."""
+        if self.path is None or not self.dirty:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"format": ORACLE_CACHE_FORMAT, "entries": self.entries}), encoding="utf-8")
+        os.replace(tmp, self.path)
+        self.dirty = False
