@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -149,6 +150,17 @@ def swap_remove_order(keep: list[bool]) -> list[int]:
     n = sum(keep)
     movers = iter([i for i in range(n, len(keep)) if keep[i]])
     return [i if keep[i] else next(movers) for i in range(n)]
+
+
+def equal_length_runs(prompts: list[list[int]]) -> list[tuple[int, list[list[int]]]]:
+    """(index of the first, prompts) for each maximal run of consecutive prompts of equal length."""
+    runs: list[tuple[int, list[list[int]]]] = []
+    for i, prompt in enumerate(prompts):
+        if runs and len(runs[-1][1][0]) == len(prompt):
+            runs[-1][1].append(prompt)
+        else:
+            runs.append((i, [prompt]))
+    return runs
 
 
 def left_padded(
