@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
-from .methods import METHODS, SCHEDULERS, correct_methods, wrong_methods
+from .methods import METHODS, SCHEDULERS, correct_methods, method_help, wrong_methods
 
 
 class BatchspecError(Exception):
@@ -14,6 +15,14 @@ class BatchspecError(Exception):
 
     The CLI prints its message as one line instead of a traceback.
     """
+
+
+def option(default: Any, help: str, *flags: str, **argparse_kwargs: Any) -> Any:
+    """A dataclass field that is also a command-line option (`batchspec.commands.common` builds the
+    option from it): one definition of each setting's default and meaning for the Python API, the CLI
+    and the bench. `flags` default to --field-name; `argparse_kwargs` (type, choices, action) as for
+    `add_argument`; a float field's option refuses NaN and infinities."""
+    return field(default=default, metadata={"help": help, "flags": flags, **argparse_kwargs})
 
 
 @dataclass(frozen=True)
@@ -28,13 +37,16 @@ class ModelConfig:
     text is plain text and cannot forge chat turns.
     """
 
-    target: str | None = None
-    draft: str | None = None
-    dtype: str = "float32"
-    draft_dtype: str | None = None
-    device: str = "cpu"
-    chat_template: bool = True
-    allow_special_tokens: bool = False
+    target: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")
+    draft: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-0.5B-Instruct)")
+    dtype: str = option("float32", "target dtype: float32 | bfloat16 | float16")
+    draft_dtype: str | None = option(None, "drafter dtype (default: --dtype); changes acceptance, never the output")
+    device: str = option("cpu", "cpu, cuda, cuda:1, ...")
+    chat_template: bool = option(True, "feed prompts raw, without the chat template", "--no-chat-template",
+                                 action="store_false")
+    allow_special_tokens: bool = option(
+        False, "parse control tokens spelled in prompt text (e.g. <|im_end|>) as control tokens; by default "
+        "prompt text is tokenized as plain text, so it cannot forge chat turns", action="store_true")
 
 
 def _require_int(name: str, value: object, optional: bool = False) -> None:
@@ -64,16 +76,25 @@ class SpecConfig:
     rule) draw from, so such runs are repeatable; requests with their own seed never depend on it.
     """
 
-    method: str = "ragged"
-    num_draft_tokens: int = 5
-    batch_size: int = 4
-    scheduler: str | None = None
-    check_invariants: bool = False
-    window_size: int | None = None
-    sort_by_length: bool = False
-    max_kv_slots: int | None = None
-    max_prefill_tokens: int | None = None
-    generator_seed: int | None = None
+    method: str = option("ragged", method_help(), choices=list(METHODS))
+    num_draft_tokens: int = option(5, "K: the most tokens the drafter proposes per round", "--num-draft-tokens", "-k",
+                                   type=int)
+    batch_size: int = option(4, "rows decoded together (with --scheduler continuous: the most sequences in flight)",
+                             "--batch-size", "--max-num-seqs", type=int)
+    scheduler: str | None = option(
+        None, "static: whole batches; continuous: refill a finished row at once; pool: EXSPEC's window "
+        "(default: the method's own: " + ", ".join(f"{n} {m.default_scheduler}" for n, m in METHODS.items()
+                                                    if not m.deliberately_wrong) + ")", choices=SCHEDULERS)
+    check_invariants: bool = option(False, "verify layout invariants and cached K/V every round", action="store_true")
+    window_size: int | None = option(None, "exspec: sequences in the sliding window (default 4x batch size)", type=int)
+    sort_by_length: bool = option(False, "exspec: admit the shortest waiting prompts first", action="store_true")
+    max_kv_slots: int | None = option(None, "K/V budget per model, in token slots (rows x slots per row); fewer rows "
+                                      "are admitted at once if needed", type=int)
+    max_prefill_tokens: int | None = option(
+        None, "continuous scheduler: prefill at most this many prompt tokens per step (chunked prefill), so a "
+        "long prompt does not stall the rows already decoding (default: whole prompts)", type=int)
+    generator_seed: int | None = option(None, "seed of the engine's generator, which only unseeded sampled requests "
+                                        "draw from: makes such runs repeatable", type=int)
 
     def __post_init__(self) -> None:
         for name in ("num_draft_tokens", "batch_size"):
@@ -106,7 +127,7 @@ class SpecConfig:
             raise BatchspecError("max_prefill_tokens (chunked prefill) needs the continuous scheduler")
         if self.max_kv_slots is not None and self.max_kv_slots < 1:
             raise BatchspecError(f"max_kv_slots must be >= 1, got {self.max_kv_slots}")
-        if self.window_size is not None and self.window_size < self.batch_size:
+        if self.scheduler == "pool" and self.window_size is not None and self.window_size < self.batch_size:
             raise BatchspecError(f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})")
 
     @property
@@ -118,11 +139,12 @@ class SpecConfig:
 class SamplingParams:
     """Per-request decoding settings. temperature 0 means greedy."""
 
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    max_new_tokens: int = option(64, "token budget per request", type=int)
+    temperature: float = option(0.0, "0 = greedy", type=float)
+    top_p: float = option(1.0, "nucleus sampling mass, in (0, 1]; 1 = off", type=float)
+    top_k: int = option(0, "sample among the k most likely tokens; 0 = off", type=int)
+    seed: int | None = option(None, "seeded sampling, token-identical to plain seeded sampling (on the command "
+                              "line a base: request i gets seed + i)", type=int)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -139,7 +161,10 @@ class SamplingParams:
             raise BatchspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise BatchspecError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stops = tuple(self.stop_token_ids)
+        for token in stops:
+            _require_int("stop_token_ids entries", token)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     @property
     def greedy(self) -> bool:

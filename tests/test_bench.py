@@ -13,10 +13,10 @@ from tinyworld import WORDS
 
 from batchspec.bench.exactness import Match, compare
 from batchspec.bench.methods import MethodSpec, parse_batch_sizes, parse_methods
-from batchspec.bench.runner import ALL, BenchSettings, run_method
+from batchspec.bench.runner import ALL, run_method
 from batchspec.bench.specbench import MT_BENCH_CATEGORIES, SPECBENCH_FILE, TASK_GROUPS, encode_prompts, select
 from batchspec.cli import main
-from batchspec.config import BatchspecError, ModelConfig
+from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
 from batchspec.models import load_pair
 
 METHODS = [
@@ -103,10 +103,10 @@ def test_failing_method_becomes_an_error_row(tiny_pair_dirs, monkeypatch) -> Non
 
     monkeypatch.setattr(runner, "run_engine", refuse)
     models = load_pair(ModelConfig(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1])))
-    prompts = [BenchPrompt("0", "the a", None, None, (5, 6))]
-    settings = BenchSettings(max_new_tokens=4, num_draft_tokens=2)
-    result = run_method(models, MethodSpec("exspec", 2), prompts, {ALL: [0]}, settings, (1,),
-                        Oracle(models.target, settings.params, (1,)), lambda *row: "sync-error")
+    params = SamplingParams(max_new_tokens=4)
+    prompts = [BenchPrompt("0", "the a", None, None, (5, 6), params)]
+    result = run_method(models, MethodSpec("exspec", 2), prompts, {ALL: [0]}, SpecConfig(num_draft_tokens=2), (1,),
+                        Oracle(models.target, params, (1,)), lambda *row: "sync-error")
     assert result.error == "NotImplementedError: pool scheduler"
     assert result.rows == [] and result.timings == {}
 

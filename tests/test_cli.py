@@ -312,4 +312,4 @@ def test_every_option_has_help_and_shows_its_default(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "token budget per prompt (default: 64)" in out and "(default: None)" not in out
+    assert "token budget per request (default: 64)" in out and "(default: None)" not in out

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..config import SamplingParams
 from ..forensics.audit import Auditor
 from ..forensics.audit_inputs import AuditItem
 from ..forensics.calibration import Calibration, calibrate_margin, calibration_prefixes
@@ -19,8 +20,8 @@ from ..forensics.compare import first_difference
 from ..forensics.oracle import Oracle
 from ..models import ModelPair
 
-# (prompt ids, method output, oracle output) -> the divergence's class
-Classifier = Callable[[Sequence[int], Sequence[int], Sequence[int]], str]
+# (prompt ids, method output, oracle output, sampling params) -> the divergence's class
+Classifier = Callable[[Sequence[int], Sequence[int], Sequence[int], SamplingParams], str]
 
 
 @dataclass(frozen=True)
@@ -49,24 +50,25 @@ class AuditClassifier:
 
     name = "batchspec.forensics.audit"
 
-    def __init__(self, models: ModelPair, oracle: Oracle, prompts: Sequence[Sequence[int]], rows: int = 8) -> None:
+    def __init__(self, models: ModelPair, oracle: Oracle, prompts: Sequence[Sequence[int]],
+                 params: Sequence[SamplingParams], rows: int = 8) -> None:
         self.models = models
         self.oracle = oracle
-        self.prompts = [list(p) for p in prompts[:rows]]
+        self.prompts = [(list(p), sp) for p, sp in list(zip(prompts, params))[:rows]]
         self.calibration: Calibration | None = None
-        self._auditor: Auditor | None = None
+        self._auditors: dict[SamplingParams, Auditor] = {}
 
-    def __call__(self, prompt: Sequence[int], output: Sequence[int], reference: Sequence[int]) -> str:
-        if self._auditor is None or self.calibration is None:
-            prefixes = calibration_prefixes(self.prompts, [self.oracle(p) for p in self.prompts])
+    def __call__(self, prompt: Sequence[int], output: Sequence[int], reference: Sequence[int],
+                 params: SamplingParams) -> str:
+        """The class of the divergence of `output` (decoded under `params`) from `reference`."""
+        if self.calibration is None:
+            prefixes = calibration_prefixes([p for p, _ in self.prompts], [self.oracle(p, sp) for p, sp in self.prompts])
             self.calibration = calibrate_margin(self.models.target, prefixes)
-            params = self.oracle.params
-            self._auditor = Auditor(
-                self.models.target, self.models.tokenizer, params.max_new_tokens,
-                margin=self.calibration.margin, sampling=params,
-            )
+        if params not in self._auditors:  # one per sampling setting (seeded rows each have their own)
+            self._auditors[params] = Auditor(self.models.target, self.models.tokenizer, params.max_new_tokens,
+                                             margin=self.calibration.margin, sampling=params)
         item = AuditItem("bench", prompt_ids=list(prompt), token_ids=list(output))
-        row = self._auditor.audit_row(item, list(reference), self.calibration.margin)
+        row = self._auditors[params].audit_row(item, list(reference), self.calibration.margin)
         return str(row.classification)
 
     def describe(self) -> dict[str, Any]:

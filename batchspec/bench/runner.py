@@ -12,14 +12,14 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from ..config import BatchspecError, SamplingParams, SpecConfig
+from ..config import BatchspecError, SpecConfig
 from ..forensics.oracle import Oracle
 from ..kv import forward_all_positions
 from ..layouts.base import left_padded
@@ -82,27 +82,6 @@ class MethodResult:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class BenchSettings:
-    """What every method shares: the decoding budget and the speculative knobs."""
-
-    max_new_tokens: int
-    num_draft_tokens: int
-    window_size: int | None = None
-    sort_by_length: bool = False
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def params(self) -> SamplingParams:
-        """One setting for every request; sampled runs share one seed (coupled rule), so plain
-        seeded sampling of each prompt alone is still a single right answer to compare with."""
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed)
-
-
 def _bar(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, leave=False)
 
@@ -117,21 +96,16 @@ def warm_up(models: ModelPair, prompt: Sequence[int]) -> None:
 
 # ---- our engine -------------------------------------------------------------------------------
 def run_engine(
-    models: ModelPair, spec: MethodSpec, prompts: list[BenchPrompt], settings: BenchSettings, desc: str
+    models: ModelPair, spec: MethodSpec, prompts: list[BenchPrompt], template: SpecConfig, desc: str
 ) -> tuple[list[RowResult], Timing]:
-    config = SpecConfig(
-        method=spec.method,
-        num_draft_tokens=settings.num_draft_tokens,
-        batch_size=spec.batch_size,
-        scheduler=spec.scheduler,
-        window_size=settings.window_size if spec.method == "exspec" else None,
-        sort_by_length=settings.sort_by_length if spec.method == "exspec" else False,
-    )
+    """`template` carries what every method shares (K, window, budgets); `spec` what this one is."""
+    config = replace(template, method=spec.method, batch_size=spec.batch_size, scheduler=spec.scheduler,
+                     max_prefill_tokens=template.max_prefill_tokens if spec.scheduler == "continuous" else None)
     llm = LLM(spec=config, models=models)  # prompts arrive encoded
     rows: dict[int, RowResult] = {}
     with _bar(len(prompts), desc) as bar:
         start = time.perf_counter()
-        for out in llm.stream([list(p.token_ids) for p in prompts], settings.params):
+        for out in llm.stream([list(p.token_ids) for p in prompts], [p.params for p in prompts]):
             n = len(out.token_ids)
             rows[out.index] = RowResult(
                 out.token_ids, out.time_to_first_token, out.latency,
@@ -234,14 +208,18 @@ def run_hf(
     models: ModelPair,
     spec: MethodSpec,
     prompts: list[BenchPrompt],
-    settings: BenchSettings,
+    template: SpecConfig,
     stop_ids: Sequence[int],
     desc: str,
 ) -> tuple[list[RowResult], Timing]:
     """`hf@B`: batched plain greedy generate (left padding); `hf-assisted@1`: generate with the
     drafter as assistant model. Same prompts, token budget and stop ids as our methods."""
-    if not settings.params.greedy:
+    if not all(p.params.greedy for p in prompts):
         raise BatchspecError("the transformers baselines run greedy only (their sampling is not keyed by position)")
+    budgets = {p.params.max_new_tokens for p in prompts}
+    if len(budgets) != 1:
+        raise BatchspecError("the transformers baselines need one max_new_tokens for every prompt")
+    max_new_tokens = budgets.pop()
     target, tokenizer = models.target, models.tokenizer
     assistant = models.draft if spec.method == HF_ASSISTED else None
     stops = frozenset(stop_ids)
@@ -252,22 +230,22 @@ def run_hf(
     rows: list[RowResult] = []
     prefill = 0.0
     try:
-        with _plain_generation_configs(models, settings.num_draft_tokens), _bar(len(prompts), desc) as bar:
+        with _plain_generation_configs(models, template.num_draft_tokens), _bar(len(prompts), desc) as bar:
             start = time.perf_counter()
             for lo in range(0, len(prompts), spec.batch_size):
                 batch = prompts[lo: lo + spec.batch_size]
                 ids, mask = left_padded([p.token_ids for p in batch], device, pad_id)
-                timeline = _Timeline(len(batch), stops, settings.max_new_tokens, start)
+                timeline = _Timeline(len(batch), stops, max_new_tokens, start)
                 drafted_before = drafts.calls
                 batch_start = time.perf_counter() - start
                 out = target.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens, do_sample=False,
+                    input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                     eos_token_id=list(stop_ids), pad_token_id=pad_id, streamer=timeline, assistant_model=assistant,
                 )
                 end = time.perf_counter() - start
                 prefill += (timeline.first_step_at if timeline.first_step_at is not None else end) - batch_start
                 for b, row in enumerate(out[:, ids.shape[1]:].tolist()):
-                    tokens = _until_stop(row, stops, settings.max_new_tokens)
+                    tokens = _until_stop(row, stops, max_new_tokens)
                     if assistant is None:
                         rounds, round_tokens, drafted = len(tokens) - 1, len(tokens) - 1, 0
                     else:  # batch 1: every push is one draft-and-verify round, the first one included
@@ -290,7 +268,7 @@ def run_method(
     spec: MethodSpec,
     prompts: list[BenchPrompt],
     parts: dict[str, list[int]],
-    settings: BenchSettings,
+    template: SpecConfig,
     stop_ids: Sequence[int],
     oracle: Oracle,
     classify: Classifier,
@@ -305,9 +283,9 @@ def run_method(
             chosen = [prompts[i] for i in indices]
             desc = spec.name if label == ALL else f"{spec.name} {label}"
             if spec.is_baseline:
-                part_rows, timing = run_hf(models, spec, chosen, settings, stop_ids, desc)
+                part_rows, timing = run_hf(models, spec, chosen, template, stop_ids, desc)
             else:
-                part_rows, timing = run_engine(models, spec, chosen, settings, desc)
+                part_rows, timing = run_engine(models, spec, chosen, template, desc)
             rows.update(zip(indices, part_rows))
             result.timings[label] = timing
     except Exception as err:  # noqa: BLE001 - reported as this method's error row
@@ -320,9 +298,9 @@ def run_method(
             result.matches.append(None)
             result.labels.append(None)
             continue
-        reference = oracle(prompt.token_ids)
+        reference = oracle(prompt.token_ids, prompt.params)
         match = compare(row.token_ids, reference)
         result.matches.append(match)
-        label = None if match.exact else classify(prompt.token_ids, row.token_ids, reference)
+        label = None if match.exact else classify(prompt.token_ids, row.token_ids, reference, prompt.params)
         result.labels.append(label)
     return result

@@ -14,7 +14,7 @@ from importlib import resources
 from itertools import zip_longest
 from pathlib import Path
 
-from ..config import BatchspecError
+from ..config import BatchspecError, SamplingParams
 from ..prompts import load_prompts
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -35,13 +35,15 @@ def task_group(category: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class BenchPrompt:
-    """One prompt as every method sees it: already encoded, so all methods decode the same ids."""
+    """One prompt as every method sees it: already encoded, so all methods decode the same ids, and
+    with its own sampling settings (seeded requests get seed + their index, as in `generate`)."""
 
     id: str
     text: str
     category: str | None
     group: str | None
     token_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
 
 
 def encode_prompts(

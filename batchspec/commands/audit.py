@@ -10,13 +10,15 @@ import argparse
 import json
 from pathlib import Path
 
-from ..config import BatchspecError
+from ..config import BatchspecError, SamplingParams
 from ..forensics.audit import Auditor
 from ..forensics.audit_inputs import pair_items, read_outputs
 from ..forensics.report import markdown_summary
 from ..prompts import load_prompts
 from .common import (
     add_model_arguments,
+    add_sampling_arguments,
+    config_from_args,
     add_prompt_format_argument,
     finite_float,
     load_models,
@@ -32,11 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", required=True, help="write the JSON report here")
     p.add_argument("--markdown", help="also write the Markdown summary here")
     p.add_argument("--oracle-cache", help="JSON file to load plain-decoding outputs from and save them to")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="the run's token budget")
     p.add_argument("--limit", type=positive_int, help="only the first N prompts (as generate --limit)")
     p.add_argument("--margin", type=finite_float, help="fp-tie margin in logits (default: calibrated on the model)")
     p.add_argument("--calibration-rows", type=int, default=8, help="prefixes measured to calibrate the margin")
     add_model_arguments(p, with_draft=False)
+    add_sampling_arguments(p, only=("max_new_tokens",))  # the run's budget: greedy runs are audited
     p.epilog = (
         "Pass the run's own --target, --dtype, --max-new-tokens, --no-chat-template and --allow-special-tokens: "
         "the oracle must decode exactly what the run decoded."
@@ -44,8 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise BatchspecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    config_from_args(SamplingParams, args)  # the budget, validated before the (slow) model loading
     if args.calibration_rows < 1:
         raise BatchspecError(f"--calibration-rows must be >= 1, got {args.calibration_rows}")
     if args.margin is not None and args.margin < 0:
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         prompts=str(args.prompts),
         outputs=str(args.outputs),
         target=args.target or "bundled",
-        chat_template=not args.no_chat_template,
+        chat_template=args.chat_template,
         allow_special_tokens=args.allow_special_tokens,
     )
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)

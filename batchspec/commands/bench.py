@@ -9,21 +9,32 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from ..bench.exactness import AuditClassifier
 from ..bench.methods import DEFAULT_METHODS, parse_batch_sizes, parse_methods
 from ..bench.plots import write_plots
 from ..bench.report import NOISE_NOTE, build_report, machine_info, render_tables, write_csv
-from ..bench.runner import ALL, BenchSettings, run_method, warm_up
+from ..bench.runner import ALL, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
-from ..config import BatchspecError
+from ..config import BatchspecError, SamplingParams, SpecConfig
 from ..forensics.oracle import Oracle
 from ..kv import context_limit
 from ..models import ModelPair, eos_token_ids
-from .common import add_model_arguments, add_prompt_format_argument, finite_float, load_models, prompt_encoder
+from .common import (
+    add_config_arguments,
+    add_model_arguments,
+    add_prompt_format_argument,
+    add_sampling_arguments,
+    config_from_args,
+    load_models,
+    params_for,
+    prompt_encoder,
+)
 
 DEFAULT_NUM_PROMPTS = 12  # two per SpecBench task group: a quick look, not the protocol
+SHARED_SPEC_FIELDS = ("num_draft_tokens", "window_size", "sort_by_length", "max_kv_slots", "max_prefill_tokens")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,16 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "e.g. ar@1,ar@4,eqspec@4,ragged@4,ragged+continuous@4,hf@4,hf-assisted@1. "
                    "Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base).")
     g.add_argument("--batch-sizes", default="4", help="comma-separated batch sizes for methods given without @batch")
-    g.add_argument("--num-draft-tokens", "-k", type=int, default=5, help="K: tokens the drafter proposes per round")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="token budget per prompt")
-    g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window")
-    g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
-    g = p.add_argument_group("sampling (default greedy)")
-    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]; 1 = off")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
-    g.add_argument("--seed", type=int, help="needed with --temperature > 0: seeded (coupled) sampling has one right "
-                   "answer to check exactness against")
+    # what every method shares; method, batch size and scheduler come from --methods
+    add_config_arguments(p, SpecConfig, "speculation (all methods)", only=SHARED_SPEC_FIELDS)
+    add_sampling_arguments(p)
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure and the machine description here")
     g.add_argument("--csv", help="write one line per method (and per method and task group) here")
@@ -85,7 +89,7 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
         "file": str(path), "count": len(chosen), "available": len(candidates), "skipped": skipped,
         "groups": groups if group_order(chosen) != [None] else None,
         "prompt_tokens": {"mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
-        "chat_template": not args.no_chat_template,
+        "chat_template": args.chat_template,
         "allow_special_tokens": args.allow_special_tokens,
     }
     return chosen, info
@@ -93,16 +97,16 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
 
 def run(args: argparse.Namespace) -> int:
     specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes))
-    if args.num_draft_tokens < 1 and any(s.speculative for s in specs):
-        raise BatchspecError(f"--num-draft-tokens must be >= 1 for speculative methods, got {args.num_draft_tokens}")
     if args.temperature > 0 and args.seed is None:
         raise BatchspecError("bench checks every output against plain decoding: with --temperature > 0 give --seed "
                              "(for rejection-sampling acceptance, use `batchspec generate`)")
-    settings = BenchSettings(args.max_new_tokens, args.num_draft_tokens, args.window_size, args.sort_by_length,
-                             args.temperature, args.top_p, args.top_k, args.seed)
-    settings.params  # validates the budget and sampling settings before the (slow) model loading
-    models = load_models(args, need_draft=any(s.speculative for s in specs))
+    # validated before the (slow) model loading
+    speculative = any(s.speculative for s in specs)
+    template = config_from_args(SpecConfig, args, method="ragged" if speculative else "ar", scheduler="continuous")
+    config_from_args(SamplingParams, args)
+    models = load_models(args, need_draft=speculative)
     prompts, prompt_info = _choose_prompts(args, models)
+    prompts = [replace(p, params=sp) for p, sp in zip(prompts, params_for(args, len(prompts)))]
     stop_ids = eos_token_ids(models.target, models.tokenizer)
     by_group = bool(args.suite) and prompt_info["groups"] is not None
     parts = (
@@ -111,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     warm_up(models, prompts[0].token_ids)
-    oracle = Oracle(models.target, settings.params, stop_ids)
-    oracle.precompute([p.token_ids for p in prompts], desc="oracle (plain decoding, batch 1)")
-    classify = AuditClassifier(models, oracle, [p.token_ids for p in prompts])
-    results = [run_method(models, s, prompts, parts, settings, stop_ids, oracle, classify) for s in specs]
+    oracle = Oracle(models.target, prompts[0].params, stop_ids)
+    oracle.precompute([p.token_ids for p in prompts], [p.params for p in prompts], desc="oracle (plain decoding, batch 1)")
+    classify = AuditClassifier(models, oracle, [p.token_ids for p in prompts], [p.params for p in prompts])
+    results = [run_method(models, s, prompts, parts, template, stop_ids, oracle, classify) for s in specs]
 
     entries = build_report(results, prompts)
     machine = machine_info(args.dtype, args.draft_dtype, args.device)
@@ -138,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
                 "methods": [s.name for s in specs], "suite": args.suite,
                 "runs": "per task group" if by_group else "all prompts at once",
-                "window_size": args.window_size, "sort_by_length": args.sort_by_length,
+                **{name: getattr(template, name) for name in SHARED_SPEC_FIELDS},
+                "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "hf_assisted": "constant schedule of num_draft_tokens drafts per round, no confidence cut-off",
             },
             "prompts": prompt_info,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import fields, replace
+from typing import Any, TypeVar
 
 from ..config import ModelConfig, SamplingParams, SpecConfig
 from ..llm import LLM
-from ..methods import METHODS, SCHEDULERS, method_help
 from ..models import ModelPair, encode_prompt, load_pair
 from ..prompts import FORMATS
+
+C = TypeVar("C")
 
 
 def finite_float(text: str) -> float:
@@ -43,82 +46,54 @@ def add_prompt_format_argument(p: argparse.ArgumentParser | argparse._ArgumentGr
                    "(jsonl for .jsonl/.ndjson/.json in any case, or when the first non-empty line starts with '{')")
 
 
+def add_config_arguments(
+    p: argparse.ArgumentParser, cls: type, title: str, only: Iterable[str] | None = None, **defaults: Any
+) -> None:
+    """One option per field of the dataclass `cls` (ModelConfig, SpecConfig, SamplingParams) that
+    declares one (`batchspec.config.option`), in an argument group `title`: the field's default, help
+    and flags, so a setting is defined once for the API and every command. `only` limits the fields;
+    `defaults` override a field's default for this command."""
+    g = p.add_argument_group(title)
+    for f in fields(cls):
+        meta = dict(f.metadata)
+        if "help" not in meta or (only is not None and f.name not in only):
+            continue
+        flags = meta.pop("flags") or ("--" + f.name.replace("_", "-"),)
+        if meta.get("type") is float:
+            meta["type"] = finite_float
+        g.add_argument(*flags, dest=f.name, default=defaults.get(f.name, f.default), **meta)
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
+    """An instance of `cls` from the parsed options named like its fields (others keep their
+    defaults), so its own validation speaks for the command line too."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    return cls(**{**values, **overrides})
+
+
 def add_model_arguments(p: argparse.ArgumentParser, with_draft: bool = True) -> None:
     """Model options; `with_draft=False` for commands that never load a drafter (so --help does
     not offer options they would ignore)."""
-    g = p.add_argument_group("models")
-    g.add_argument("--target", help="HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")
-    if with_draft:
-        g.add_argument("--draft", help="HF model folder or .gguf file (default: bundled Qwen2.5-Coder-0.5B-Instruct)")
-    g.add_argument("--dtype", default="float32", help="target dtype: float32 | bfloat16 | float16")
-    if with_draft:
-        g.add_argument("--draft-dtype", help="drafter dtype (default: --dtype); changes acceptance, never the output")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat template")
-    g.add_argument("--allow-special-tokens", action="store_true",
-                   help="parse control tokens spelled in prompt text (e.g. <|im_end|>) as control tokens; by "
-                   "default prompt text is tokenized as plain text, so it cannot forge chat turns")
+    names = [f.name for f in fields(ModelConfig) if with_draft or not f.name.startswith("draft")]
+    add_config_arguments(p, ModelConfig, "models", only=names)
 
 
-def add_decoding_arguments(p: argparse.ArgumentParser, method_default: str = "ragged") -> None:
-    g = p.add_argument_group("decoding")
-    g.add_argument("--method", default=method_default, choices=list(METHODS), help=method_help())
-    g.add_argument("--batch-size", "--max-num-seqs", dest="batch_size", type=int, default=4,
-                   help="rows decoded together (with --scheduler continuous: the most sequences in flight)")
-    g.add_argument("--num-draft-tokens", "-k", type=int, default=5, help="K: tokens the drafter proposes per round")
-    g.add_argument("--scheduler", choices=SCHEDULERS,
-                   help="static: whole batches; continuous: refill a finished row's slot at once "
-                   "(default: the method's own, " + ", ".join(f"{n} {m.default_scheduler}" for n, m in METHODS.items()
-                                                               if not m.deliberately_wrong) + ")")
-    g.add_argument("--window-size", type=int, help="exspec: sequences in the sliding window (default 4x batch size)")
-    g.add_argument("--sort-by-length", action="store_true", help="exspec: sort prompts by length first")
-    g.add_argument("--max-kv-slots", type=int, help="K/V budget per model, in token slots (rows x slots per row); "
-                   "fewer rows are admitted at once if needed")
-    g.add_argument("--check-invariants", action="store_true", help="verify layout invariants and cached K/V every round")
+def add_decoding_arguments(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    add_config_arguments(p, SpecConfig, "decoding", **defaults)
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="token budget per prompt")
-    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]; 1 = off")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
-    g.add_argument("--seed", type=int, help="per-request seed base: request i uses seed + i")
-
-
-def spec_from_args(args: argparse.Namespace, **overrides) -> SpecConfig:
-    fields = dict(
-        method=args.method,
-        num_draft_tokens=args.num_draft_tokens,
-        batch_size=args.batch_size,
-        scheduler=args.scheduler,
-        check_invariants=args.check_invariants,
-        window_size=args.window_size,
-        sort_by_length=args.sort_by_length,
-        max_kv_slots=args.max_kv_slots,
-    )
-    fields.update(overrides)
-    return SpecConfig(**fields)
+def add_sampling_arguments(p: argparse.ArgumentParser, only: Iterable[str] | None = None, **defaults: Any) -> None:
+    add_config_arguments(p, SamplingParams, "sampling", only=only, **defaults)
 
 
 def params_for(args: argparse.Namespace, count: int) -> list[SamplingParams]:
     """One SamplingParams per request; with --seed, request i gets seed + i (distinct streams)."""
-    return [
-        SamplingParams(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=None if args.seed is None else args.seed + i,
-        )
-        for i in range(count)
-    ]
+    base = config_from_args(SamplingParams, args)
+    return [base if base.seed is None else replace(base, seed=base.seed + i) for i in range(count)]
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(target=args.target, draft=getattr(args, "draft", None), dtype=args.dtype,
-                       draft_dtype=getattr(args, "draft_dtype", None), device=args.device,
-                       chat_template=not args.no_chat_template, allow_special_tokens=args.allow_special_tokens)
+    return config_from_args(ModelConfig, args)
 
 
 def load_models(args: argparse.Namespace, need_draft: bool) -> ModelPair:

@@ -26,8 +26,8 @@ from .common import (
     make_llm,
     params_for,
     positive_int,
+    config_from_args,
     prompt_encoder,
-    spec_from_args,
 )
 from .outputs import ResumableOutput
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--output is the --prompts file ({args.prompts}): writing it would destroy the prompts")
     if args.resume:
         _check_resumable(args, records)
-    spec = spec_from_args(args)
+    spec = config_from_args(SpecConfig, args)
     params = params_for(args, len(records))  # validated before the (slow) model loading
     # the output is opened (path checked, lock taken) before any decoding, so a bad path costs nothing
     with ResumableOutput(args.output, args.resume) if args.output else contextlib.nullcontext() as output:

@@ -7,7 +7,7 @@ Runs two checks and fails (exit 1) if either does:
    speculatively (the chosen method, through the real Engine), and run a two-sample chi-square test
    per position. The verdict is Bonferroni-corrected over all tests: reject if the smallest p-value
    is below alpha / number of tests.
-Requests carry no seed, so every row uses the rejection rule; --seed only seeds the engines'
+Requests carry no seed, so every row uses the rejection rule; --generator-seed seeds the engines'
 generators, so a run is repeatable.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import BatchspecError, SamplingParams
+from ..config import BatchspecError, SamplingParams, SpecConfig
 from ..distribution import compare_positions, exact_rejection_check
 from ..engine import Engine
 from ..methods import build_engine
@@ -34,7 +34,8 @@ from .common import (
     load_models,
     make_llm,
     positive_int,
-    spec_from_args,
+    add_sampling_arguments,
+    config_from_args,
 )
 
 DEFAULT_PROMPTS = (
@@ -59,16 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=positive_int, default=3, help="only the first N prompts")
     p.add_argument("--samples", type=int, default=1000, help="continuations drawn per prompt and method (>= 1)")
     p.add_argument("--positions", type=int, default=4, help="M: generated positions compared per prompt (>= 3)")
-    p.add_argument("--temperature", type=finite_float, default=1.0, help="sampling temperature (> 0)")
-    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]; 1 = off")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="seed of the engines' generators (requests stay unseeded)")
     p.add_argument("--alpha", type=finite_float, default=0.01, help="family-wise significance level, in (0, 1)")
     p.add_argument("--min-expected", type=finite_float, default=5.0,
                    help="merge tokens expected fewer times than this (> 0) into an 'other' bin")
     p.add_argument("--report", help="write the full results as JSON here")
     add_model_arguments(p)
-    add_decoding_arguments(p)
+    add_decoding_arguments(p, generator_seed=0)
+    # requests stay unseeded (rejection sampling is what is tested): no --seed, no --max-new-tokens
+    add_sampling_arguments(p, only=("temperature", "top_p", "top_k"), temperature=1.0)
 
 
 def _exact_results() -> list[dict]:
@@ -102,12 +101,13 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--alpha must be in (0, 1), got {args.alpha}")
     if args.min_expected <= 0:
         raise BatchspecError(f"--min-expected must be > 0, got {args.min_expected}")
-    params = SamplingParams(max_new_tokens=args.positions, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    params = config_from_args(SamplingParams, args, max_new_tokens=args.positions)
     if params.greedy:
         raise BatchspecError("--temperature 0 is greedy: use `batchspec generate --verify` for exact matches")
     exact = _exact_results()
-    spec = spec_from_args(args)
-    plain_spec = spec_from_args(args, method="ar", scheduler="static")
+    spec = config_from_args(SpecConfig, args)
+    plain_spec = config_from_args(SpecConfig, args, method="ar", scheduler="static")
+    seed = args.generator_seed
     if args.prompts:
         texts = [r.text for r in load_prompts(args.prompts, args.format) if r.error is None]
     else:
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
     rows, drafted, accepted = [], 0, 0
     for n, text in enumerate(texts):
         ids = llm.encode(text)
-        plain = build_engine(models.target, replace(plain_spec, generator_seed=args.seed + 2 * n), llm.stop_ids)
-        speculative = build_engine(models.target, replace(spec, generator_seed=args.seed + 2 * n + 1), llm.stop_ids,
+        plain = build_engine(models.target, replace(plain_spec, generator_seed=seed + 2 * n), llm.stop_ids)
+        speculative = build_engine(models.target, replace(spec, generator_seed=seed + 2 * n + 1), llm.stop_ids,
                                    draft_model=models.draft)
         plain_samples = _sample(plain, ids, params, args.samples, f"prompt {n} plain")
         spec_samples = _sample(speculative, ids, params, args.samples, f"prompt {n} {spec.method}")
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {
             "method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "batch_size": spec.batch_size,
             "samples": args.samples, "positions": args.positions, "temperature": args.temperature,
-            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "alpha": args.alpha,
+            "top_p": args.top_p, "top_k": args.top_k, "generator_seed": seed, "alpha": args.alpha,
             "prompts": texts,
         },
         "exact": {"cases": exact, "tolerance": EXACT_TOLERANCE, "passed": exact_ok},

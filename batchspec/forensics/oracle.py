@@ -59,7 +59,7 @@ class Oracle:
     ) -> None:
         self.model = model
         self.params = params
-        self.stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
+        self.stop_ids = frozenset(stop_ids)
         self.path = path
         self.identity = model_identity(model)
         self.entries: dict[str, dict[str, Any]] = self._load(path) if path is not None else {}
@@ -79,31 +79,37 @@ class Oracle:
             ) from None
         return data["entries"]
 
-    def key(self, prompt_ids: Sequence[int]) -> str:
-        """The cache key of one prompt. Greedy keys carry no sampling settings, so files written
-        before sampled oracles existed stay valid."""
-        material: list[Any] = [self.identity, self.params.max_new_tokens, sorted(self.stop_ids), list(prompt_ids)]
-        if not self.params.greedy:
-            p = self.params
+    def key(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> str:
+        """The cache key of one prompt (under `params`, default the oracle's). Greedy keys carry no
+        sampling settings, so files written before sampled oracles existed stay valid."""
+        p = params or self.params
+        stops = sorted(self.stop_ids | frozenset(p.stop_token_ids))
+        material: list[Any] = [self.identity, p.max_new_tokens, stops, list(prompt_ids)]
+        if not p.greedy:
             material.append({"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed})
         return hashlib.sha256(json.dumps(material).encode()).hexdigest()
 
-    def __call__(self, prompt_ids: Sequence[int]) -> list[int]:
-        """What plain decoding of this prompt alone produces (decoded now unless already known)."""
-        key = self.key(prompt_ids)
+    def __call__(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> list[int]:
+        """What plain decoding of this prompt alone produces under `params` (default: the oracle's),
+        decoded now unless already known."""
+        p = params or self.params
+        key = self.key(prompt_ids, p)
         if key not in self.entries:
-            tokens = reference_decode(self.model, list(prompt_ids), self.params, self.stop_ids)
+            tokens = reference_decode(self.model, list(prompt_ids), p, self.stop_ids)
             self.entries[key] = {"token_ids": tokens}
             self.dirty = True
         return list(self.entries[key]["token_ids"])
 
-    def precompute(self, prompts: Iterable[Sequence[int]], desc: str = "oracle") -> None:
-        """Decode every prompt not known yet, with a progress bar; what was computed is saved even
-        when interrupted."""
-        todo = [p for p in prompts if self.key(p) not in self.entries]
+    def precompute(
+        self, prompts: Iterable[Sequence[int]], params: Sequence[SamplingParams] | None = None, desc: str = "oracle"
+    ) -> None:
+        """Decode every prompt not known yet (prompt i under params[i], default the oracle's), with a
+        progress bar; what was computed is saved even when interrupted."""
+        pairs = list(zip(prompts, params)) if params is not None else [(p, self.params) for p in prompts]
+        todo = [(p, sp) for p, sp in pairs if self.key(p, sp) not in self.entries]
         try:
-            for prompt in tqdm(todo, desc=desc, unit="prompt", file=sys.stderr, leave=False):
-                self(prompt)
+            for prompt, sp in tqdm(todo, desc=desc, unit="prompt", file=sys.stderr, leave=False):
+                self(prompt, sp)
         finally:
             self.save()
 
