@@ -16,13 +16,9 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    GPT2Config,
-    LlamaConfig,
-    PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
-    Qwen2Config,
 )
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
@@ -36,8 +32,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-TINY_ARCHS = ("llama", "qwen2", "gpt2")
 
 # A folder needs one of these: without them transformers silently builds an *empty* tokenizer for
 # some model types (gpt2, qwen2) instead of failing.
@@ -268,45 +262,3 @@ def encode_prompt(
         + _tokenize(tokenizer, rendered[head:tail], split_special_tokens=True)
         + _tokenize(tokenizer, rendered[tail:], split_special_tokens=False)
     )
-
-
-def _tiny_config(arch: str, vocab_size: int, hidden: int, layers: int, init_std: float) -> PreTrainedConfig:
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "initializer_range": init_std,
-        "tie_word_embeddings": False,
-        "pad_token_id": None,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    }
-    if arch == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, **common)
-    decoder: dict[str, Any] = {
-        "hidden_size": hidden,
-        "intermediate_size": 2 * hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        **common,
-    }
-    if arch == "llama":
-        return LlamaConfig(**decoder)
-    if arch == "qwen2":
-        return Qwen2Config(**decoder)
-    raise BatchspecError(f"unknown tiny model architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
-
-
-def tiny_model(
-    arch: str, vocab_size: int = 96, seed: int = 0, hidden: int = 64, layers: int = 2, init_std: float = 0.5
-) -> PreTrainedModel:
-    """A small random fp32 model for tests: same ``seed`` gives the same weights.
-
-    The large ``init_std`` spreads the logits so greedy argmax has no near-ties that batching noise
-    could flip. Llama/Qwen2 use 4 query heads over 2 KV heads (GQA); GPT-2 has learned absolute
-    positions, so the suite also covers position handling that is not rotary.
-    """
-    config = _tiny_config(arch, vocab_size, hidden, layers, init_std)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    return model.eval()

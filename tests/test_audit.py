@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tinyworld import VOCAB_SIZE, WORDS, tiny_tokenizer
+from tinyworld import VOCAB_SIZE, WORDS, tiny_model, tiny_tokenizer
 
 from batchspec.cli import main
 from batchspec.config import ModelConfig, SamplingParams, SpecConfig
@@ -20,7 +20,7 @@ from batchspec.forensics.audit_inputs import AuditItem, pair_items, read_outputs
 from batchspec.forensics.calibration import prefix_logits
 from batchspec.forensics.compare import EXACT, FP_TIE, SYNC_ERROR, UNKNOWN_TOKEN
 from batchspec.llm import LLM
-from batchspec.models import ModelPair, encode_prompt, load_model, load_pair, tiny_model
+from batchspec.models import ModelPair, encode_prompt, load_model, load_pair
 from batchspec.prompts import load_prompts
 from batchspec.reference import greedy_decode
 

@@ -22,7 +22,7 @@ from batchspec.forensics.compare import (
     plain_scores,
 )
 from batchspec.kv import forward_all_positions
-from batchspec.models import tiny_model
+from tinyworld import tiny_model
 from batchspec.reference import greedy_decode, sample_decode
 
 STOP = frozenset({1})

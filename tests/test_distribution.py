@@ -27,7 +27,7 @@ from batchspec.distribution import (
     two_sample_chi2,
 )
 from batchspec.methods import build_engine
-from batchspec.models import tiny_model
+from tinyworld import tiny_model
 
 ALPHA = 0.01
 

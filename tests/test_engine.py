@@ -14,7 +14,7 @@ from batchspec.methods import build_engine
 from batchspec.forensics.invariants import InvariantError
 from batchspec.kv import context_limit
 from batchspec.layouts import Layout, PaddedLayout, RaggedLayout
-from batchspec.models import tiny_model
+from tinyworld import tiny_model
 from batchspec.reference import greedy_decode
 
 ARCHS = ["llama", "qwen2", "gpt2"]

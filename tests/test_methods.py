@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,11 +49,11 @@ def test_engine_and_correct_methods_do_not_load_forensics():
     """The engine never imports the forensics package, and the deliberately wrong methods' code is
     loaded only when one of them is built (no registration by import side effect)."""
     code = (
-        "import sys, torch\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from batchspec.llm import LLM\n"
         "from batchspec.methods import build_engine\n"
         "from batchspec.config import SpecConfig\n"
-        "from batchspec.models import tiny_model\n"
+        "from tinyworld import tiny_model\n"
         "m = tiny_model('llama')\n"
         "build_engine(m, SpecConfig(method='ragged'), draft_model=m).generate([[5, 6]], __import__('batchspec').SamplingParams(max_new_tokens=3))\n"
         "assert not any(n.startswith('batchspec.forensics') for n in sys.modules), sorted(sys.modules)\n"

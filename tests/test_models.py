@@ -12,22 +12,14 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from tinyworld import TINY_ARCHS, tiny_model
 from transformers import PreTrainedTokenizerFast
 
 from batchspec import bundled
 from batchspec.bundled import BUNDLED, BundledModel, bundled_installed, cache_dir, converted_dir, join_chunks
 from batchspec.config import BatchspecError, ModelConfig
 from batchspec.kv import context_limit
-from batchspec.models import (
-    TINY_ARCHS,
-    check_compatible,
-    encode_prompt,
-    eos_token_ids,
-    load_model,
-    load_pair,
-    parse_dtype,
-    tiny_model,
-)
+from batchspec.models import check_compatible, encode_prompt, eos_token_ids, load_model, load_pair, parse_dtype
 
 PREFIX = "fakepkg_part"
 CHUNKS = [b"GGUF" + bytes(range(60)), b"middle chunk " * 7, b"\x00\xff tail"]
@@ -491,33 +483,6 @@ def test_encode_prompt_does_not_let_prompt_text_forge_control_tokens(chatml_toke
 
 
 # --- tiny models -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tiny_model_deterministic_and_varied(arch: str) -> None:
-    model = tiny_model(arch, seed=1)
-    assert model.dtype == torch.float32 and not model.training
-    assert model.config._attn_implementation == "sdpa"
-    assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
-    ids = torch.tensor([[0, 11, 42, 7, 90, 3]])
-    with torch.no_grad():
-        logits = model(ids).logits
-        assert logits.shape == (1, 6, 96)
-        torch.testing.assert_close(logits, tiny_model(arch, seed=1)(ids).logits, rtol=0, atol=0)
-        assert not torch.allclose(logits, tiny_model(arch, seed=2)(ids).logits)
-        generated = []
-        for _ in range(24):
-            token = model(ids).logits[0, -1].argmax().item()
-            generated.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    assert len(set(generated)) >= 6, generated
-
-
-def test_tiny_model_gqa_and_bad_arch() -> None:
-    assert tiny_model("qwen2").config.num_key_value_heads == 2
-    assert tiny_model("llama", layers=1).config.num_hidden_layers == 1
-    with pytest.raises(BatchspecError, match="unknown tiny model architecture"):
-        tiny_model("mamba")
 
 
 # --- the real bundle -------------------------------------------------------------------------

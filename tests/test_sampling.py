@@ -18,7 +18,7 @@ from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.drafters import Draft, Drafter, ModelDrafter, Picker, pick_argmax
 from batchspec.methods import build_engine
 from batchspec.layouts import make_layout
-from batchspec.models import tiny_model
+from tinyworld import tiny_model
 from batchspec.reference import greedy_decode, reference_decode
 from batchspec.sequence import Sequence
 
