@@ -161,6 +161,8 @@ class SamplingParams:
             raise BatchspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise BatchspecError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise BatchspecError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         stops = tuple(self.stop_token_ids)
         for token in stops:
             _require_int("stop_token_ids entries", token)

@@ -17,7 +17,7 @@ class Sequence:
     params: SamplingParams
     stop_ids: frozenset[int]
     generated: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -67,3 +67,9 @@ class Sequence:
         if self.finished and self.finish_time is None:
             self.finish_time = now
         return taken
+
+    def abort(self) -> None:
+        """Finish here, keeping what was generated so far (a client went away, or asked to stop)."""
+        if not self.finished:
+            self.finish_reason = "abort"
+            self.finish_time = time.perf_counter()

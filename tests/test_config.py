@@ -53,3 +53,38 @@ def test_integer_and_real_types_other_than_int_and_float_are_accepted() -> None:
     assert params.max_new_tokens == 8 and not params.greedy
     assert SpecConfig(method="exspec", batch_size=np.int64(2), window_size=4, max_kv_slots=None).batch_size == 2
     assert SamplingParams(temperature=1).temperature == 1  # an int temperature is a number
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="ragged", num_draft_tokens=0), "num_draft_tokens must be >= 1"),
+        (dict(batch_size=0), "batch_size must be >= 1"),
+        (dict(method="medusa"), "unknown method"),
+        (dict(method="eqspec", scheduler="continuous"), "continuous batching needs per-row cursors"),
+        (dict(method="ragged", scheduler="pool"), "method ragged supports the continuous and static schedulers"),
+        (dict(max_prefill_tokens=0), "max_prefill_tokens must be >= 1"),
+        (dict(method="eqspec", max_prefill_tokens=4), "max_prefill_tokens .chunked prefill. needs the continuous"),
+        (dict(generator_seed="1"), "generator_seed must be an integer or None"),
+        (dict(method="exspec", batch_size=4, window_size=2), r"window_size \(2\) must be >= batch_size \(4\)"),
+    ],
+)
+def test_bad_spec_is_one_clear_error(kwargs, message):
+    with pytest.raises(BatchspecError, match=message):
+        SpecConfig(**kwargs)
+
+
+def test_bad_sampling_params_are_clear_errors():
+    with pytest.raises(BatchspecError, match="max_new_tokens must be >= 1"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(BatchspecError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(BatchspecError, match="stop_token_ids entries must be an integer, got 2.5"):
+        SamplingParams(stop_token_ids=(3, 2.5))
+    with pytest.raises(BatchspecError, match="stop_token_ids must be a list of token ids, got 7"):
+        SamplingParams(stop_token_ids=7)
+    assert SamplingParams(stop_token_ids=[np.int64(3)]).stop_token_ids == (3,)
+
+
+def test_window_size_is_only_checked_where_a_pool_uses_it():
+    assert SpecConfig(method="ragged", batch_size=8, window_size=2).window_size == 2
