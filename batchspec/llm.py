@@ -35,6 +35,7 @@ class RequestOutput:
     accepted: int = 0
     time_to_first_token: float | None = None
     latency: float | None = None
+    token_times: list[float] = field(default_factory=list)  # seconds since the run started, per token
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -128,6 +129,7 @@ class LLM:
             accepted=seq.accepted,
             time_to_first_token=(seq.first_token_time or start) - start,
             latency=(seq.finish_time or start) - start,
+            token_times=[round(t - start, 6) for t in seq.token_times],
         )
 
     def _add_stats(self, run: EngineStats) -> None:

@@ -22,7 +22,7 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each generated token was emitted
     finish_time: float | None = None
 
     @property
@@ -35,6 +35,10 @@ class Sequence:
         if n <= len(self.generated):
             return self.generated[len(self.generated) - n :]
         return self.prompt_ids[len(self.prompt_ids) - (n - len(self.generated)) :] + self.generated
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
 
     @property
     def length(self) -> int:
@@ -57,13 +61,12 @@ class Sequence:
             if self.finished:
                 break
             self.generated.append(token)
+            self.token_times.append(now)
             taken += 1
             if token in self.stop_ids:
                 self.finish_reason = "stop"
             elif self.remaining <= 0:
                 self.finish_reason = "length"
-        if taken and self.first_token_time is None:
-            self.first_token_time = now
         if self.finished and self.finish_time is None:
             self.finish_time = now
         return taken

@@ -20,7 +20,8 @@ from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecCo
 from batchspec.models import load_pair
 
 METHODS = [
-    "ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+static@2", "exspec@2", "hf@2", "hf-assisted@1", "naive-kv@2",
+    "ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+chunk3@2", "ragged+static@2", "exspec@2", "hf@2",
+    "hf-assisted@1", "naive-kv@2",
 ]
 
 
@@ -40,7 +41,8 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
     report_path, csv_path, plots = tmp_path / "report.json", tmp_path / "report.csv", tmp_path / "plots"
     assert main([
         "bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
-        "--methods", ",".join(METHODS), "--max-new-tokens", "8", "-k", "3",
+        "--methods", ",".join(m for m in METHODS if "chunk" not in m), "--prefill-chunks", "0,3",
+        "--max-new-tokens", "8", "-k", "3",
         "--json", str(report_path), "--csv", str(csv_path), "--plots", str(plots),
     ]) == 0
     stdout = capsys.readouterr().out
@@ -68,7 +70,7 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
     pooled = by_name["exspec@2"]
     assert pooled["grouped_rounds"] + pooled["fallback_rounds"] > 0 and 0 <= pooled["grouping_rate"] <= 1
     assert "EXSPEC grouping" in stdout
-    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+static@2", "exspec@2"):
+    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+chunk3@2", "ragged+static@2", "exspec@2"):
         assert by_name[name]["exact_match"] == 1.0, (name, by_name[name]["divergences"])
         assert by_name[name]["divergent"] == by_name[name]["sync_errors"] == 0
     # the deliberately wrong method: fast maybe, but the audit calls its divergences what they are
@@ -80,6 +82,12 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
         assert 0 < by_name[name]["acceptance_rate"] <= 1
         assert by_name[name]["mean_accepted_length"] >= 1
     assert by_name["ar@1"]["speedup"] == 1.0
+    # prefill at each prompt's own length: no padding computed, except by transformers' left padding
+    lengths = {len(p) for p in (json.loads(line)["prompt"].split() for line in prompts.read_text().splitlines())}
+    assert len(lengths) > 1
+    for name, m in by_name.items():
+        assert m["prefill_tokens_per_s"] > 0 and m["itl_s"]["p99"] >= m["itl_s"]["p50"] > 0, name
+        assert (m["padding_share"] > 0) if name == "hf@2" else (m["padding_share"] == 0), name
     assert by_name["ar@2"]["acceptance_rate"] is None and by_name["ar@2"]["mean_accepted_length"] == 1.0
 
     rows = list(csv.DictReader(csv_path.open()))

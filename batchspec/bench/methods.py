@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import BatchspecError
 from ..methods import METHODS, SCHEDULERS
@@ -23,6 +23,7 @@ class MethodSpec:
     method: str
     batch_size: int
     scheduler: str | None = None
+    prefill_chunk: int | None = None  # continuous scheduler: max_prefill_tokens (None: whole prompts)
 
     def __post_init__(self) -> None:
         if self.scheduler is None and self.method in METHODS:
@@ -32,9 +33,10 @@ class MethodSpec:
     def family(self) -> str:
         """The label without the batch size: one line per family in the throughput plot. The
         scheduler is named only where it is not the method's default."""
-        if self.method not in METHODS or self.scheduler == METHODS[self.method].default_scheduler:
-            return self.method
-        return f"{self.method}+{self.scheduler}"
+        name = self.method
+        if self.method in METHODS and self.scheduler != METHODS[self.method].default_scheduler:
+            name += f"+{self.scheduler}"
+        return name if self.prefill_chunk is None else f"{name}+chunk{self.prefill_chunk}"
 
     @property
     def name(self) -> str:
@@ -81,19 +83,35 @@ def _parse_one(item: str, batch_sizes: list[int]) -> list[MethodSpec]:
     return [MethodSpec(method, b, scheduler) for b in sizes]
 
 
-def parse_methods(text: str, batch_sizes: list[int]) -> list[MethodSpec]:
+def parse_methods(text: str, batch_sizes: list[int], prefill_chunks: list[int | None] | None = None) -> list[MethodSpec]:
     """Specs in the order given, duplicates dropped; `ar@1` is added first when missing because
-    every speedup is measured against it."""
+    every speedup is measured against it. Methods on the continuous scheduler run once per entry of
+    `prefill_chunks` (None: whole prompts; N: chunked prefill of N tokens a step)."""
     specs: list[MethodSpec] = []
     for item in (part.strip() for part in text.split(",")):
         if item:
-            specs.extend(_parse_one(item, batch_sizes))
+            for spec in _parse_one(item, batch_sizes):
+                if spec.scheduler == "continuous":
+                    specs.extend(replace(spec, prefill_chunk=chunk) for chunk in prefill_chunks or [None])
+                else:
+                    specs.append(spec)
     if not specs:
         raise BatchspecError("no methods given")
     unique = list(dict.fromkeys(specs))
     if BASELINE_SPEC not in unique:
         unique.insert(0, BASELINE_SPEC)
     return unique
+
+
+def parse_prefill_chunks(text: str) -> list[int | None]:
+    """`--prefill-chunks`: comma-separated token counts, 0 meaning whole prompts (no chunking)."""
+    try:
+        chunks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BatchspecError(f"--prefill-chunks must be comma-separated integers, got {text!r}") from None
+    if not chunks or any(c < 0 for c in chunks):
+        raise BatchspecError(f"--prefill-chunks must list integers >= 0 (0 = whole prompts), got {text!r}")
+    return list(dict.fromkeys(c or None for c in chunks))
 
 
 def parse_batch_sizes(text: str) -> list[int]:

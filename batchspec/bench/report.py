@@ -100,6 +100,8 @@ def figures(
         "time_share": None,
         "latency_s": _percentiles([rows[i].latency for i in ok if rows[i].latency is not None]),
         "ttft_s": _percentiles([rows[i].ttft for i in ok if rows[i].ttft is not None]),
+        "itl_s": _percentiles([gap for i in ok for gap in rows[i].gaps]),
+        "prefill_tokens_per_s": None, "padding_share": None,
         "exact_matches": exact,
         "exact_match": _ratio(exact, len(ok), 4),
         "partial_match": _ratio(sum(matches[i].partial for i in ok if matches[i] is not None), len(ok), 4),
@@ -113,6 +115,9 @@ def figures(
         out.update(
             wall_s=round(timing.wall, 4), prefill_s=round(timing.prefill, 4), decode_s=round(decode, 4),
             tokens_per_s=_ratio(tokens, timing.wall), decode_tokens_per_s=_ratio(decode_tokens, decode),
+            prefill_tokens_per_s=_ratio(timing.prefill_tokens, timing.prefill),
+            # token positions the prefill computed that were not prompt tokens (padding)
+            padding_share=_ratio(timing.prefill_fed - timing.prefill_tokens, timing.prefill_fed, 4),
         )
         if timing.grouping is not None:
             grouped, fallback = timing.grouping
@@ -207,22 +212,24 @@ def _exact(fig: dict[str, Any]) -> str:
 def render_tables(entries: list[dict[str, Any]]) -> str:
     ok = [e for e in entries if e["error"] is None]
     speed = format_table(
-        ["method", "tok/s", "decode tok/s", "speedup", "prefill s", "decode s", "acc len", "acc rate",
-         "prefill", "draft", "verify", "other"],
+        ["method", "tok/s", "decode tok/s", "speedup", "prefill s", "prefill tok/s", "padding", "decode s",
+         "acc len", "acc rate", "prefill", "draft", "verify", "other"],
         ([e["method"], _fmt(e["tokens_per_s"]), _fmt(e["decode_tokens_per_s"]), _fmt(e["speedup"], "x"),
-          _fmt(e["prefill_s"]), _fmt(e["decode_s"]), _fmt(e["mean_accepted_length"]), _fmt(e["acceptance_rate"], "%"),
+          _fmt(e["prefill_s"]), _fmt(e["prefill_tokens_per_s"]), _fmt(e["padding_share"], "%"), _fmt(e["decode_s"]),
+          _fmt(e["mean_accepted_length"]), _fmt(e["acceptance_rate"], "%"),
           _share(e, "prefill"), _share(e, "draft"), _share(e, "verify"), _share(e, "other")] for e in ok),
     )
     quality = format_table(
         ["method", "exact", "exact %", "partial", "divergent", "fp ties", "sync err", "errors",
-         "lat p50", "lat p90", "lat p99", "ttft p50", "ttft p90", "ttft p99"],
+         "lat p50", "lat p99", "ttft p50", "ttft p99", "itl p50", "itl p99"],
         ([e["method"], _exact(e), _fmt(e["exact_match"], "%"), _fmt(e["partial_match"], "%"),
           str(e["divergent"]), str(e["fp_ties"]), str(e["sync_errors"]), str(e["errors"]),
-          _fmt(e["latency_s"]["p50"]), _fmt(e["latency_s"]["p90"]), _fmt(e["latency_s"]["p99"]),
-          _fmt(e["ttft_s"]["p50"]), _fmt(e["ttft_s"]["p90"]), _fmt(e["ttft_s"]["p99"])] for e in ok),
+          _fmt(e["latency_s"]["p50"]), _fmt(e["latency_s"]["p99"]), _fmt(e["ttft_s"]["p50"]), _fmt(e["ttft_s"]["p99"]),
+          _fmt(e["itl_s"]["p50"]), _fmt(e["itl_s"]["p99"])] for e in ok),
     )
     parts = ["Speed (time shares of wall time; HF baselines have no phase breakdown)", speed, "",
-             "Exactness vs plain greedy batch-1 decoding, and latency (seconds since the run started)", quality]
+             "Exactness vs plain batch-1 decoding; latency and time to first token in seconds since the run "
+             "started; itl: seconds between a row's successive emissions (a round's tokens arrive together)", quality]
     grouped = [e for e in ok if "groups" in e]
     if grouped:
         rows = []
@@ -251,8 +258,10 @@ def render_tables(entries: list[dict[str, Any]]) -> str:
 CSV_FIELDS = [
     "method", "group", "batch_size", "scheduler", "error", "prompts", "errors", "generated_tokens", "wall_s",
     "prefill_s", "decode_s", "tokens_per_s", "decode_tokens_per_s", "speedup", "decode_speedup",
+    "prefill_tokens_per_s", "padding_share",
     "mean_accepted_length", "acceptance_rate", "share_prefill", "share_draft", "share_verify", "share_other",
     "latency_p50_s", "latency_p90_s", "latency_p99_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+    "itl_p50_s", "itl_p90_s", "itl_p99_s",
     "exact_matches", "exact_match", "partial_match", "divergent", "sync_errors", "fp_ties",
 ]
 
@@ -263,7 +272,7 @@ def _flat(entry: dict[str, Any], fig: dict[str, Any], group: str) -> dict[str, A
     row.update(batch_size=entry["batch_size"], scheduler=entry["scheduler"])
     for k, v in (fig.get("time_share") or {}).items():
         row[f"share_{k}"] = v
-    for name in ("latency", "ttft"):
+    for name in ("latency", "ttft", "itl"):
         for p, v in (fig.get(f"{name}_s") or {}).items():
             row[f"{name}_{p}_s"] = v
     return row

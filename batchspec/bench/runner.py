@@ -44,17 +44,30 @@ class RowResult:
     drafted: int = 0
     accepted: int = 0
     error: str | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between the row's successive emissions
+
+
+def emission_gaps(token_times: Sequence[float]) -> list[float]:
+    """Inter-token latency as a reader sees it: the waits between successive emissions of one row.
+    Tokens of one round arrive together (one emission), so a round that accepts several drafts
+    is one gap, not several zero gaps."""
+    emissions = sorted(set(token_times))
+    return [b - a for a, b in zip(emissions, emissions[1:])]
 
 
 @dataclass
 class Timing:
-    """Wall time of one run and where it went; draft/verify are None when nobody measured them."""
+    """Wall time of one run and where it went; draft/verify are None when nobody measured them.
+    prefill_tokens: prompt tokens prefilled; prefill_fed: token positions the prefill computed
+    (prompt tokens plus any padding)."""
 
     wall: float
     prefill: float
     draft: float | None = None
     verify: float | None = None
     grouping: tuple[int, int] | None = None  # exspec: (rounds on a same-length group, fallback rounds)
+    prefill_tokens: int = 0
+    prefill_fed: int = 0
 
     def __add__(self, other: Timing) -> Timing:
         def plus(a: float | None, b: float | None) -> float | None:
@@ -66,6 +79,7 @@ class Timing:
         return Timing(
             self.wall + other.wall, self.prefill + other.prefill,
             plus(self.draft, other.draft), plus(self.verify, other.verify), grouping,
+            self.prefill_tokens + other.prefill_tokens, self.prefill_fed + other.prefill_fed,
         )
 
 
@@ -100,7 +114,7 @@ def run_engine(
 ) -> tuple[list[RowResult], Timing]:
     """`template` carries what every method shares (K, window, budgets); `spec` what this one is."""
     config = replace(template, method=spec.method, batch_size=spec.batch_size, scheduler=spec.scheduler,
-                     max_prefill_tokens=template.max_prefill_tokens if spec.scheduler == "continuous" else None)
+                     max_prefill_tokens=spec.prefill_chunk)
     llm = LLM(spec=config, models=models)  # prompts arrive encoded
     rows: dict[int, RowResult] = {}
     with _bar(len(prompts), desc) as bar:
@@ -110,7 +124,7 @@ def run_engine(
             rows[out.index] = RowResult(
                 out.token_ids, out.time_to_first_token, out.latency,
                 rounds=out.rounds, round_tokens=max(n - 1, 0),  # the first token comes from prefill
-                drafted=out.drafted, accepted=out.accepted, error=out.error,
+                drafted=out.drafted, accepted=out.accepted, error=out.error, gaps=emission_gaps(out.token_times),
             )
             bar.update(1)
         wall = time.perf_counter() - start
@@ -118,7 +132,8 @@ def run_engine(
     grouping = None
     if "grouped_rounds" in s.extra:
         grouping = (int(s.extra["grouped_rounds"]), int(s.extra["fallback_rounds"]))
-    return [rows[i] for i in range(len(prompts))], Timing(wall, s.prefill_time, s.draft_time, s.verify_time, grouping)
+    timing = Timing(wall, s.prefill_time, s.draft_time, s.verify_time, grouping, s.prefill_tokens, s.prefill_fed)
+    return [rows[i] for i in range(len(prompts))], timing
 
 
 # ---- Hugging Face generate --------------------------------------------------------------------
@@ -134,6 +149,7 @@ class _Timeline(BaseStreamer):
         self.first_step_at: float | None = None
         self.first: list[float | None] = [None] * rows
         self.finish: list[float | None] = [None] * rows
+        self.emitted: list[list[float]] = [[] for _ in range(rows)]  # when each push reached each row
         self.count = [0] * rows
 
     def put(self, value: torch.Tensor) -> None:
@@ -149,6 +165,7 @@ class _Timeline(BaseStreamer):
                 continue  # finished rows are fed padding
             if self.first[b] is None:
                 self.first[b] = now
+            self.emitted[b].append(now)
             for token in tokens:
                 self.count[b] += 1
                 if token in self.stop_ids or self.count[b] >= self.max_new_tokens:
@@ -229,6 +246,7 @@ def run_hf(
     hook = assistant.register_forward_pre_hook(drafts) if assistant is not None else None
     rows: list[RowResult] = []
     prefill = 0.0
+    prefill_tokens = prefill_fed = 0
     try:
         with _plain_generation_configs(models, template.num_draft_tokens), _bar(len(prompts), desc) as bar:
             start = time.perf_counter()
@@ -244,6 +262,8 @@ def run_hf(
                 )
                 end = time.perf_counter() - start
                 prefill += (timeline.first_step_at if timeline.first_step_at is not None else end) - batch_start
+                prefill_tokens += int(mask.sum())
+                prefill_fed += mask.numel()  # generate computes the left-padded rectangle
                 for b, row in enumerate(out[:, ids.shape[1]:].tolist()):
                     tokens = _until_stop(row, stops, max_new_tokens)
                     if assistant is None:
@@ -253,13 +273,14 @@ def run_hf(
                     rows.append(RowResult(
                         tokens, timeline.first[b], timeline.finish[b], rounds=rounds, round_tokens=round_tokens,
                         drafted=drafted, accepted=round_tokens - rounds if assistant is not None else 0,
+                        gaps=emission_gaps(timeline.emitted[b]),
                     ))
                 bar.update(len(batch))
             wall = time.perf_counter() - start
     finally:
         if hook is not None:
             hook.remove()
-    return rows, Timing(wall, prefill)
+    return rows, Timing(wall, prefill, prefill_tokens=prefill_tokens, prefill_fed=prefill_fed)
 
 
 # ---- the whole bench --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..bench.exactness import AuditClassifier
-from ..bench.methods import DEFAULT_METHODS, parse_batch_sizes, parse_methods
+from ..bench.methods import DEFAULT_METHODS, parse_batch_sizes, parse_methods, parse_prefill_chunks
 from ..bench.plots import write_plots
 from ..bench.report import NOISE_NOTE, build_report, machine_info, render_tables, write_csv
 from ..bench.runner import ALL, run_method, warm_up
@@ -34,7 +34,7 @@ from .common import (
 )
 
 DEFAULT_NUM_PROMPTS = 12  # two per SpecBench task group: a quick look, not the protocol
-SHARED_SPEC_FIELDS = ("num_draft_tokens", "window_size", "sort_by_length", "max_kv_slots", "max_prefill_tokens")
+SHARED_SPEC_FIELDS = ("num_draft_tokens", "window_size", "sort_by_length", "max_kv_slots")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "e.g. ar@1,ar@4,eqspec@4,ragged@4,ragged+continuous@4,hf@4,hf-assisted@1. "
                    "Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base).")
     g.add_argument("--batch-sizes", default="4", help="comma-separated batch sizes for methods given without @batch")
+    g.add_argument("--prefill-chunks", default="0", help="comma-separated max prefill tokens per step for methods on "
+                   "the continuous scheduler, each run once per value (0 = whole prompts); e.g. 0,64 compares "
+                   "chunked prefill with none in one run")
     # what every method shares; method, batch size and scheduler come from --methods
     add_config_arguments(p, SpecConfig, "speculation (all methods)", only=SHARED_SPEC_FIELDS)
     add_sampling_arguments(p)
@@ -96,13 +99,13 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes))
+    specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes), parse_prefill_chunks(args.prefill_chunks))
     if args.temperature > 0 and args.seed is None:
         raise BatchspecError("bench checks every output against plain decoding: with --temperature > 0 give --seed "
                              "(for rejection-sampling acceptance, use `batchspec generate`)")
     # validated before the (slow) model loading
     speculative = any(s.speculative for s in specs)
-    template = config_from_args(SpecConfig, args, method="ragged" if speculative else "ar", scheduler="continuous")
+    template = config_from_args(SpecConfig, args, method="ragged" if speculative else "ar")
     config_from_args(SamplingParams, args)
     models = load_models(args, need_draft=speculative)
     prompts, prompt_info = _choose_prompts(args, models)
