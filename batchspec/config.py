@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .methods import METHODS, SCHEDULERS, correct_methods, method_help, wrong_methods
@@ -25,12 +25,18 @@ def option(default: Any, help: str, *flags: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, "flags": flags, **argparse_kwargs})
 
 
+NGRAM = "ngram"  # ModelConfig.draft naming prompt lookup instead of a model
+DRAFTERS = ("model", NGRAM, "hybrid")
+SPECULATION = ("fixed", "adaptive")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which models to load and how prompts are turned into ids: everything `LLM`, the CLI and the
     bench need to know about the models, in one place.
 
-    target/draft: a local Hugging Face folder, a `.gguf` file, or None for the bundled pair.
+    target/draft: a local Hugging Face folder, a `.gguf` file, or None for the bundled pair; draft
+    `ngram` loads no drafter model and drafts by prompt lookup (`SpecConfig.drafter` "ngram").
     draft_dtype None: the target's dtype (a different drafter dtype changes acceptance, never output).
     chat_template: wrap text prompts in the tokenizer's chat template when it has one.
     allow_special_tokens: parse control tokens spelled in prompt text (e.g. `<|im_end|>`); off, prompt
@@ -38,7 +44,8 @@ class ModelConfig:
     """
 
     target: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")
-    draft: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-0.5B-Instruct)")
+    draft: str | None = option(None, "HF model folder or .gguf file, or `ngram`: prompt lookup over each row's context, "
+                               "no second model (default: bundled Qwen2.5-Coder-0.5B-Instruct)")
     dtype: str = option("float32", "target dtype: float32 | bfloat16 | float16")
     draft_dtype: str | None = option(None, "drafter dtype (default: --dtype); changes acceptance, never the output")
     device: str = option("cpu", "cpu, cuda, cuda:1, ...")
@@ -73,11 +80,18 @@ class SpecConfig:
     method: a name from `batchspec.methods.METHODS` (`ar` plain decoding, `eqspec`, `ragged`,
     `exspec`, and the deliberately wrong ones kept for audits). scheduler None: the method's default.
     generator_seed: seeds the engine's generator, which only unseeded sampled requests (rejection
-    rule) draw from, so such runs are repeatable; requests with their own seed never depend on it.
+    rule) draw from, so such runs are repeatable; requests with their own seed never depend on it
+    (with adaptive speculation, how many drafts a round verifies depends on measured times, so an
+    unseeded run repeats only under the same decisions).
+    speculation: `fixed` verifies num_draft_tokens drafts every round; `adaptive` (batchspec.speculation)
+    at most that many, as many as pay for themselves. It stays `fixed` by default until benchmarks on
+    a quiet machine show adaptive at least as fast everywhere.
+    drafter: `model` (the draft model), `ngram` (prompt lookup, no second model) or `hybrid`.
     """
 
     method: str = option("ragged", method_help(), choices=list(METHODS))
-    num_draft_tokens: int = option(5, "K: the most tokens the drafter proposes per round", "--num-draft-tokens", "-k",
+    num_draft_tokens: int = option(5, "K: the most drafts a row verifies per round (every round with --speculation "
+                                   "fixed)", "--num-draft-tokens", "-k",
                                    type=int)
     batch_size: int = option(4, "rows decoded together (with --scheduler continuous: the most sequences in flight)",
                              "--batch-size", "--max-num-seqs", type=int)
@@ -95,9 +109,20 @@ class SpecConfig:
         "long prompt does not stall the rows already decoding (default: whole prompts)", type=int)
     generator_seed: int | None = option(None, "seed of the engine's generator, which only unseeded sampled requests "
                                         "draw from: makes such runs repeatable", type=int)
+    speculation: str = option(
+        "fixed", "fixed: verify --num-draft-tokens drafts every round; adaptive: at most that many per row, only as "
+        "many as are expected to pay for their drafting and verification on this machine's measured costs (down to "
+        "none: a plain decoding step)", choices=list(SPECULATION))
+    drafter: str = option(
+        "model", "model: the --draft model proposes; ngram: prompt lookup, the tokens that followed the longest "
+        "earlier occurrence of the context's last --ngram-min..--ngram-max tokens (no second model; --draft ngram "
+        "selects it too); hybrid: the n-gram continuation where a row's context has one, the draft model elsewhere",
+        choices=list(DRAFTERS))
+    ngram_min: int = option(5, "prompt lookup: shortest context suffix to match (vLLM's prompt_lookup_min)", type=int)
+    ngram_max: int = option(5, "prompt lookup: longest context suffix to match (vLLM's prompt_lookup_max)", type=int)
 
     def __post_init__(self) -> None:
-        for name in ("num_draft_tokens", "batch_size"):
+        for name in ("num_draft_tokens", "batch_size", "ngram_min", "ngram_max"):
             _require_int(name, getattr(self, name))
         for name in ("window_size", "max_kv_slots", "max_prefill_tokens", "generator_seed"):
             _require_int(name, getattr(self, name), optional=True)
@@ -129,10 +154,29 @@ class SpecConfig:
             raise BatchspecError(f"max_kv_slots must be >= 1, got {self.max_kv_slots}")
         if self.scheduler == "pool" and self.window_size is not None and self.window_size < self.batch_size:
             raise BatchspecError(f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})")
+        if self.speculation not in SPECULATION:
+            raise BatchspecError(f"unknown speculation {self.speculation!r}; choose one of {', '.join(SPECULATION)}")
+        if self.drafter not in DRAFTERS:
+            raise BatchspecError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise BatchspecError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
 
     @property
     def speculative(self) -> bool:
         return METHODS[self.method].speculative
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.speculative and self.drafter != NGRAM
+
+
+def resolve_drafter(model: ModelConfig, spec: SpecConfig) -> SpecConfig:
+    """`--draft ngram` (ModelConfig.draft) means drafting by prompt lookup: the spec's drafter follows."""
+    if model.draft != NGRAM or spec.drafter == NGRAM:
+        return spec
+    if spec.drafter == "hybrid":
+        raise BatchspecError("the hybrid drafter needs a draft model, but --draft ngram loads none")
+    return replace(spec, drafter=NGRAM)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ and a scheduling policy (`batchspec.scheduler`) decides which requests get rows 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -18,11 +17,13 @@ import torch
 
 from . import sampling
 from .config import BatchspecError, SamplingParams, SpecConfig
-from .drafters import Draft, Drafter, ModelDrafter
+from .costs import Costs, measured_costs, wall_clock
+from .drafters import Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NgramLookup, empty_draft
 from .kv import check_supported, context_limit, embedding_rows
 from .layouts import Layout, LayoutView, PaddedLayout, RaggedLayout
 from .scheduler import make_scheduler
 from .sequence import Sequence
+from .speculation import RoundPlan, Speculation, make_speculation
 
 # Called after every round with what to verify and the round's number; raises on a broken invariant.
 # Injected (batchspec.methods.build_engine), so the engine never depends on the forensics package.
@@ -72,6 +73,11 @@ class Engine:
     Rows live in `home` layouts between rounds. Most policies run every row each round, on the home
     layout itself; a pooled policy (EXSPEC) keeps a ragged pool at home and runs each round on a
     group loaded into a `layout` rectangle, then writes the group back.
+
+    The drafter is `drafter` if given, else built from `spec.drafter`: the `draft_model` (model),
+    prompt lookup (ngram), or both (hybrid). How many drafts a round verifies is the speculation
+    policy's (`batchspec.speculation`); an adaptive one decides on `costs`, measured on first use
+    when not given.
     """
 
     def __init__(
@@ -83,14 +89,16 @@ class Engine:
         draft_model: torch.nn.Module | None = None,
         drafter: Drafter | None = None,
         checker: RoundChecker | None = None,
+        costs: Costs | None = None,
     ) -> None:
         check_supported(target)
-        if spec.speculative and draft_model is None and drafter is None:
-            raise BatchspecError(f"method {spec.method!r} needs a drafter")
-        if draft_model is not None:
+        uses_model = spec.speculative and drafter is None and spec.drafter != "ngram"
+        if uses_model and draft_model is None:
+            raise BatchspecError(f"method {spec.method!r} with the {spec.drafter} drafter needs a draft model")
+        if uses_model:
             check_supported(draft_model)
         self.target = target
-        self.draft_model = draft_model if spec.speculative else None
+        self.draft_model = draft_model if uses_model else None
         self.custom_drafter = drafter if spec.speculative else None
         self.spec = spec
         self.layout_class = layout
@@ -113,6 +121,8 @@ class Engine:
         self.staged = 0  # how much of it is in
         self.capacity: int | None = None  # K/V slots per row, once reserved
         self.drafter: Drafter | None = self.custom_drafter
+        self.costs = costs
+        self.speculation: Speculation = make_speculation("fixed", self.k, None)
         self._next_id = 0
 
     # ---- requests -----------------------------------------------------------------------------
@@ -204,12 +214,23 @@ class Engine:
             rows = min(rows, self.spec.batch_size)
             self.home = self.layout = self.layout_class(self.target, rows, capacity)
         self.drafter = self.custom_drafter
+        model_drafter = None
         if self.draft_model is not None:
             if self.scheduler.pooled:
-                self.drafter = ModelDrafter(PaddedLayout(self.draft_model, group, capacity),
-                                            pool=RaggedLayout(self.draft_model, rows, capacity))
+                model_drafter = ModelDrafter(PaddedLayout(self.draft_model, group, capacity),
+                                             pool=RaggedLayout(self.draft_model, rows, capacity))
             else:
-                self.drafter = ModelDrafter(self.layout_class(self.draft_model, rows, capacity))
+                model_drafter = ModelDrafter(self.layout_class(self.draft_model, rows, capacity))
+        if self.drafter is None and self.spec.speculative:
+            if self.spec.drafter == "ngram":
+                self.drafter = NgramDrafter(self.spec.ngram_min, self.spec.ngram_max, self.layout.device)
+            elif self.spec.drafter == "hybrid":
+                self.drafter = HybridDrafter(NgramLookup(self.spec.ngram_min, self.spec.ngram_max), model_drafter)
+            else:
+                self.drafter = model_drafter
+        if self.spec.speculative and self.spec.speculation == "adaptive" and self.costs is None:
+            self.costs = measured_costs(self.target, self.draft_model, min(rows, self.spec.batch_size), self.k)
+        self.speculation = make_speculation(self.spec.speculation if self.spec.speculative else "fixed", self.k, self.costs)
 
     # ---- offline ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
@@ -259,7 +280,7 @@ class Engine:
         """Prefill newly admitted requests, each prompt at its own length (target and drafter): whole
         prompts, or with `max_prefill_tokens` at most that many prompt tokens per step, so one long
         prompt never stalls the rows already decoding for long."""
-        start = _clock(self.target)
+        start = wall_clock(self.target)
         fed_before = self.home.prefill_fed
         if self.spec.max_prefill_tokens is None:
             admitted = self.scheduler.take(self.waiting, len(self.running), self._free_rows())
@@ -272,7 +293,7 @@ class Engine:
         else:
             self._prefill_chunks(self.spec.max_prefill_tokens)
         self.stats.prefill_fed += self.home.prefill_fed - fed_before
-        self.stats.prefill_time += _clock(self.target) - start
+        self.stats.prefill_time += wall_clock(self.target) - start
 
     def _prefill_chunks(self, budget: int) -> None:
         while budget > 0:
@@ -304,32 +325,48 @@ class Engine:
         self.running.extend(seqs)
 
     def _round(self, group: list[int]) -> None:
-        """Draft, verify, accept and commit for rows `group` (indices into `running`)."""
+        """Draft, verify, accept and commit for rows `group` (indices into `running`).
+
+        The speculation policy plans the round (how many drafter steps at most, 0 for a plain decoding
+        step that leaves the drafter out) and settles how many of the proposed drafts each row
+        verifies. The target is fed the longest row's drafts; acceptance caps every row at its own."""
         seqs = [self.running[i] for i in group]
         device = self.layout.device
-        t0 = _clock(self.target)
+        t0 = wall_clock(self.target)
         rows = torch.tensor(group, dtype=torch.long, device=device)
         if self.scheduler.pooled:
             lengths = torch.tensor([s.length - 1 for s in seqs], dtype=torch.long, device=device)
             self.layout.load_rows(self.home, rows, lengths)
             if self.drafter is not None:
                 self.drafter.load(rows, seqs)
-        k = min(self.k, max(s.remaining for s in seqs) - 1) if self.drafter is not None else 0
+        plan = self.speculation.plan(seqs) if self.drafter is not None else RoundPlan(0)
         pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=device)
-        draft = Draft(torch.zeros((len(seqs), 0), dtype=torch.long, device=device), None)
-        if k > 0:
-            draft = self.drafter.propose(seqs, k, sampling.draft_picker(seqs, self.randomness))
-        t1 = _clock(self.target)
+        proposal = draft = empty_draft(len(seqs), device)
+        if plan.steps > 0:
+            pick = sampling.draft_picker(seqs, self.randomness)
+            if plan.steer is not None:
+                proposal = self.drafter.propose_steered(seqs, plan.steps, pick, plan.steer)
+                draft = self.speculation.settle(plan, proposal)
+            else:
+                proposal = draft = self.drafter.propose(seqs, plan.steps, pick)
+        elif self.drafter is not None:
+            self.drafter.skip(seqs)
+        t1 = wall_clock(self.target)
         logits = self.layout.forward(torch.cat([pending, draft.tokens], dim=1))
-        t2 = _clock(self.target)
+        t2 = wall_clock(self.target)
         tokens, count = self._accept(draft, logits, seqs)
-        for s, toks, n in zip(seqs, tokens.tolist(), count.tolist()):
+        rounds = zip(seqs, tokens.tolist(), count.tolist(), proposal.row_lengths().tolist(), draft.row_lengths().tolist())
+        for s, toks, n, offered, chosen in rounds:
             taken = s.extend(toks[:n])
+            accepted = min(n - 1, taken)
             s.rounds += 1
-            s.drafted += k
-            s.accepted += min(n - 1, taken)
-            self.stats.drafted += k
-            self.stats.accepted += min(n - 1, taken)
+            s.drafted += chosen
+            s.accepted += accepted
+            s.proposed_k.append(offered)
+            s.chosen_k.append(chosen)
+            s.accepted_k.append(accepted)
+            self.stats.drafted += chosen
+            self.stats.accepted += accepted
             self.stats.generated += taken
         # Keep the target K/V of every token but the last (it is fed first next round).
         lengths = torch.tensor([s.length - 1 for s in seqs], dtype=torch.long, device=device)
@@ -343,10 +380,11 @@ class Engine:
         self.stats.extra.update(self.scheduler.counters())
         if self.checker is not None:
             self.checker(self._views(group), self.stats.rounds)
-        t3 = _clock(self.target)
+        t3 = wall_clock(self.target)
+        self.speculation.observe(seqs, plan, draft, count, (t1 - t0, t2 - t1, t3 - t2))
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
-        self.stats.other_time += t3 - t2
+        self.stats.other_time += wall_clock(self.target) - t2
 
     def _accept(self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]] (each row by its own rule)."""
@@ -358,6 +396,7 @@ class Engine:
         if all(keep):
             return []
         finished = [s for s in self.running if s.finished]
+        self.speculation.forget(finished)
         order = self.home.drop(keep)
         if self.drafter is not None:
             self.drafter.drop(keep)
@@ -374,10 +413,3 @@ class Engine:
         if self.layout is not self.home:
             views.append(LayoutView("target group", self.layout, None, [], []))
         return views + (self.drafter.views(self.running, sample) if self.drafter is not None else [])
-
-
-def _clock(model: torch.nn.Module) -> float:
-    """Wall clock that waits for queued GPU work, so phase timings are honest on CUDA too."""
-    if next(model.parameters()).is_cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter()

@@ -12,7 +12,8 @@ import time
 from collections.abc import Iterable, Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass, field, fields
 
-from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
+from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig, resolve_drafter
+from .costs import Costs
 from .engine import Engine, EngineStats
 from .methods import build_engine
 from .models import ModelPair, encode_prompt, eos_token_ids, load_pair
@@ -33,6 +34,10 @@ class RequestOutput:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    # per round: drafts proposed for this row, verified (0: speculation turned down), accepted
+    proposed_k: list[int] = field(default_factory=list)
+    chosen_k: list[int] = field(default_factory=list)
+    accepted_k: list[int] = field(default_factory=list)
     time_to_first_token: float | None = None
     latency: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds since the run started, per token
@@ -50,7 +55,9 @@ class LLM:
 
     `model` says which models to load (default: the bundled pair) and how to encode text; `models`
     passes models already loaded (e.g. shared by several LLMs), in which case only `model`'s
-    encoding settings apply.
+    encoding settings apply (and its `draft`: `ngram` drafts by prompt lookup). `costs` is the cost
+    model adaptive speculation decides on (measured on first use when not given, then kept for every
+    later call, so what the engines learn about this machine carries over).
     """
 
     def __init__(
@@ -58,15 +65,18 @@ class LLM:
         model: ModelConfig | None = None,
         spec: SpecConfig | None = None,
         models: ModelPair | None = None,
+        costs: Costs | None = None,
     ) -> None:
         self.model_config = model or ModelConfig()
-        self.spec = spec or SpecConfig()
-        self.models = models or load_pair(self.model_config, need_draft=self.spec.speculative)
+        self.spec = resolve_drafter(self.model_config, spec or SpecConfig())
+        self.models = models or load_pair(self.model_config, need_draft=self.spec.needs_draft_model)
         self.stop_ids = eos_token_ids(self.models.target, self.models.tokenizer)
         self.stats = EngineStats()
+        self.costs = costs
 
     def make_engine(self) -> Engine:
-        return build_engine(self.models.target, self.spec, self.stop_ids, draft_model=self.models.draft)
+        return build_engine(self.models.target, self.spec, self.stop_ids, draft_model=self.models.draft,
+                            costs=self.costs)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text through the tokenizer (and chat template); token ids as given (the engine checks them)."""
@@ -115,6 +125,7 @@ class LLM:
                 yield self._output(index, prompts[index], seq, start)
         finally:
             self._add_stats(engine.stats)
+            self.costs = engine.costs
 
     def _output(self, index: int, prompt: Prompt, seq: Sequence, start: float) -> RequestOutput:
         return RequestOutput(
@@ -127,6 +138,9 @@ class LLM:
             rounds=seq.rounds,
             drafted=seq.drafted,
             accepted=seq.accepted,
+            proposed_k=list(seq.proposed_k),
+            chosen_k=list(seq.chosen_k),
+            accepted_k=list(seq.accepted_k),
             time_to_first_token=(seq.first_token_time or start) - start,
             latency=(seq.finish_time or start) - start,
             token_times=[round(t - start, 6) for t in seq.token_times],

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import SpecConfig
+    from .costs import Costs
     from .drafters import Drafter
     from .engine import Engine
 
@@ -97,9 +98,11 @@ def build_engine(
     stop_ids: Iterable[int] = (),
     draft_model: torch.nn.Module | None = None,
     drafter: Drafter | None = None,
+    costs: Costs | None = None,
 ) -> Engine:
     """The engine for `spec.method`, with the method's layout, and the per-round invariant checker
-    injected when `spec.check_invariants` asks for it (the engine itself knows nothing of forensics)."""
+    injected when `spec.check_invariants` asks for it (the engine itself knows nothing of forensics).
+    `costs`: the cost model adaptive speculation decides on (None: measured when first needed)."""
     method = METHODS[spec.method]
     checker = None
     if spec.check_invariants:
@@ -107,5 +110,6 @@ def build_engine(
 
         checker = check_views
     return method.engine_class()(
-        target, spec, method.layout_class(), stop_ids, draft_model=draft_model, drafter=drafter, checker=checker
+        target, spec, method.layout_class(), stop_ids, draft_model=draft_model, drafter=drafter, checker=checker,
+        costs=costs,
     )

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
-from .config import BatchspecError, ModelConfig
+from .config import NGRAM, BatchspecError, ModelConfig
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -126,9 +126,11 @@ class ModelPair:
 
 def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
     """Load the target and (if ``need_draft``) the drafter of ``config``, and check that they can
-    be paired. Both dtypes are validated before any (slow) loading starts."""
+    be paired. Both dtypes are validated before any (slow) loading starts. Draft ``ngram`` is prompt
+    lookup: no drafter model to load."""
     parse_dtype(config.dtype)
     draft_dtype = config.dtype if config.draft_dtype is None else config.draft_dtype
+    need_draft = need_draft and config.draft != NGRAM
     if need_draft:
         parse_dtype(draft_dtype)
     target_model, target_tok = load_model(config.target, role="target", dtype=config.dtype, device=config.device)

@@ -239,30 +239,37 @@ def accept_round(
     """(tokens [b, k+1], count [b]) for target logits [b, k+1, vocab], each row by its own rule.
 
     Rows are split by rule and each group is handled by one vectorized call, so rules never see each
-    other's rows and a greedy row's result is the same as in an all-greedy batch.
+    other's rows and a greedy row's result is the same as in an all-greedy batch. Row b is capped at
+    its own draft count (`Draft.lengths`), so padding slots are never accepted.
     """
     groups = _rows_by_rule(seqs)
-    k, vocab = draft.tokens.shape[1], logits.shape[-1]
+    k, vocab = draft.width, logits.shape[-1]
+    lengths = draft.lengths
     tokens = torch.empty((len(seqs), k + 1), dtype=torch.long, device=logits.device)
     count = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+
+    def capped(pick: torch.Tensor | slice) -> torch.Tensor | None:
+        return None if lengths is None else lengths[pick]
+
     if rows := groups[GREEDY]:
         pick = _selector(rows, len(seqs), logits.device)
-        tokens[pick], count[pick] = acceptance.greedy(draft.tokens[pick], logits[pick])
+        tokens[pick], count[pick] = acceptance.greedy(draft.tokens[pick], logits[pick], capped(pick))
     if rows := groups[COUPLED]:
         pick = _selector(rows, len(seqs), logits.device)
         scores = filter_logits(logits[pick], [seqs[i].params for i in rows])
-        keys = [(seqs[i].params.seed, len(seqs[i].generated) + j) for i in rows for j in range(k + 1)]
-        noise = randomness.keyed(keys, vocab).to(scores.device).view(scores.shape)
-        tokens[pick], count[pick] = acceptance.matching(draft.tokens[pick], gumbel_argmax(scores, noise))
+        tokens[pick], count[pick] = acceptance.matching(
+            draft.tokens[pick], gumbel_argmax(scores, _slot_noise(seqs, rows, draft, randomness, scores)), capped(pick)
+        )
     if rows := groups[REJECTION]:
         pick = _selector(rows, len(seqs), logits.device)
         params = [seqs[i].params for i in rows]
         drafts = draft.tokens[pick]
         p = torch.softmax(filter_logits(logits[pick], params), dim=-1)
+        point_mass = torch.nn.functional.one_hot(drafts, vocab).to(p.dtype)
         if draft.logits is None:
             # A drafter without probabilities is treated as deterministic given its inputs: q is a
             # point mass on the draft, for which the rule still yields exactly p.
-            q = torch.nn.functional.one_hot(drafts, vocab).to(p.dtype)
+            q = point_mass
         elif draft.logits.shape[-1] != vocab:
             raise BatchspecError(
                 f"drafter logits width {draft.logits.shape[-1]} differs from the target's {vocab}: "
@@ -270,7 +277,56 @@ def accept_round(
             )
         else:
             q = torch.softmax(filter_logits(draft.logits[pick], params), dim=-1)
+            if draft.forced is not None:
+                q = torch.where(draft.forced[pick][..., None], point_mass, q)
         uniform = randomness.uniform(tuple(drafts.shape))
         noise = randomness.fresh((len(rows), vocab))
-        tokens[pick], count[pick] = acceptance.rejection(drafts, p, q, uniform, noise)
+        tokens[pick], count[pick] = acceptance.rejection(drafts, p, q, uniform, noise, capped(pick))
     return tokens, count
+
+
+def _slot_noise(
+    seqs: Seq[Sequence], rows: list[int], draft: Draft, randomness: Randomness, scores: torch.Tensor
+) -> torch.Tensor:
+    """Keyed noise for coupled rows' slots [len(rows), k+1, vocab]: slot j of a row is generated
+    position len(generated) + j. Only slots a row can emit from (its drafts and the one after) get
+    noise (about 1 ms a key); padding slots get zeros, their picks are never used."""
+    lengths = draft.row_lengths().tolist()
+    reach = [lengths[i] + 1 for i in rows]
+    keys = [(seqs[i].params.seed, len(seqs[i].generated) + j) for i, n in zip(rows, reach) for j in range(n)]
+    noise = randomness.keyed(keys, scores.shape[-1]).to(scores.device)
+    if all(n == scores.shape[1] for n in reach):
+        return noise.view(scores.shape)
+    full = torch.zeros_like(scores)
+    full[torch.arange(scores.shape[1], device=scores.device)[None, :] < torch.tensor(reach, device=scores.device)[:, None]] = noise
+    return full
+
+
+def draft_confidence(
+    logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None, seqs: Seq[Sequence]
+) -> torch.Tensor:
+    """How likely the drafter itself finds draft `tokens` [b], from its logits [b, vocab] at that step:
+    the feature adaptive speculation calibrates into an acceptance probability (LibraSpec).
+
+    Greedy and coupled rows: the drafter's probability of the drafted token (its filtered
+    distribution for coupled rows); their output is the same whatever is drafted, so the choice of
+    how many to verify may look at the token. Rejection rows: the expected probability of a token
+    drawn from q, sum(q^2), which is known before the draw; deciding from the drawn token's own
+    probability whether to keep it would bias rejection sampling. Forced tokens are deterministic,
+    so their own probability is fair for every rule.
+    """
+    groups = _rows_by_rule(seqs)
+    out = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
+    if rows := groups[GREEDY]:
+        pick = _selector(rows, len(seqs), logits.device)
+        out[pick] = torch.softmax(logits[pick].float(), dim=-1).gather(-1, tokens[pick][:, None]).squeeze(-1)
+    for rule_name in (COUPLED, REJECTION):
+        if rows := groups[rule_name]:
+            pick = _selector(rows, len(seqs), logits.device)
+            q = torch.softmax(filter_logits(logits[pick].float(), [seqs[i].params for i in rows]), dim=-1)
+            own = q.gather(-1, tokens[pick][:, None]).squeeze(-1)
+            if rule_name == REJECTION:
+                expected = (q * q).sum(dim=-1)
+                own = expected if forced is None else torch.where(forced[pick], own, expected)
+            out[pick] = own
+    return out

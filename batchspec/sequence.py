@@ -19,8 +19,13 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     rounds: int = 0
-    drafted: int = 0
+    drafted: int = 0  # drafts verified, over all rounds
     accepted: int = 0
+    # per round: drafts the drafter proposed for this row, drafts verified (the speculation policy's
+    # choice: 0 where speculation was turned down), drafts accepted
+    proposed_k: list[int] = field(default_factory=list)
+    chosen_k: list[int] = field(default_factory=list)
+    accepted_k: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each generated token was emitted
     finish_time: float | None = None

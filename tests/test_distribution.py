@@ -33,31 +33,31 @@ ALPHA = 0.01
 
 
 # ---- broken rules: TEST-ONLY, each a published way to get speculative sampling wrong ---------------
-# Drop-in replacements for `acceptance.residual(p, q, slot)`, patched in with monkeypatch so the real
-# exact check, sampler and engine run with them.
-def _stopping_slot(p, q, slot):
+# Drop-in replacements for `acceptance.residual(p, q, slot, lengths)`, patched in with monkeypatch so
+# the real exact check, sampler and engine run with them.
+def _stopping_slot(p, q, slot, lengths=None):
     """(p at the stopping slot [b, V], q there or None for the bonus slot k, rejected [b, 1])."""
     k = q.shape[1]
     rows = torch.arange(p.shape[0])
     drafted = q[rows, slot.clamp(max=k - 1)] if k else None
-    return p[rows, slot], drafted, (slot < k)[:, None]
+    return p[rows, slot], drafted, (slot < (k if lengths is None else lengths))[:, None]
 
 
-def _broken_correction_from_drafter(p, q, slot):
+def _broken_correction_from_drafter(p, q, slot, lengths=None):
     """The token emitted at a rejection is drawn from the drafter's q instead of the residual."""
-    target, drafted, rejected = _stopping_slot(p, q, slot)
+    target, drafted, rejected = _stopping_slot(p, q, slot, lengths)
     return target if drafted is None else torch.where(rejected, drafted, target)
 
 
-def _broken_residual_is_p(p, q, slot):
+def _broken_residual_is_p(p, q, slot, lengths=None):
     """On rejection, resample from p instead of normalize(max(0, p - q))."""
-    return _stopping_slot(p, q, slot)[0]
+    return _stopping_slot(p, q, slot, lengths)[0]
 
 
-def _broken_residual_not_normalised(p, q, slot):
+def _broken_residual_not_normalised(p, q, slot, lengths=None):
     """max(0, p - q) used without renormalising: an inverse-CDF draw past its mass falls back to the
     target's argmax, so that token absorbs the missing mass."""
-    target, drafted, rejected = _stopping_slot(p, q, slot)
+    target, drafted, rejected = _stopping_slot(p, q, slot, lengths)
     if drafted is None:
         return target
     leftover = (target - drafted).clamp(min=0)

@@ -149,3 +149,25 @@ class ScriptedDrafter(Drafter):
                 row.append(right if self.rng.random() < p else (right + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
             rows.append(row)
         return Draft(torch.tensor(rows, dtype=torch.long), None)
+
+
+class ScriptedCosts:
+    """A cost model for tests, so no decision depends on timing: a verify forward costs
+    `verify_base + verify_token * rows * tokens`, a drafter step `draft_step` whatever it feeds. The
+    rounds the engine reports are kept in `observed` and change nothing."""
+
+    def __init__(self, verify_base: float = 1.0, verify_token: float = 0.1, draft_step: float = 0.2) -> None:
+        self.verify_base, self.verify_token, self.draft_step = verify_base, verify_token, draft_step
+        self.observed: list[tuple[int, int, int]] = []
+
+    def verify_time(self, rows: int, tokens: int) -> float:
+        return self.verify_base + self.verify_token * rows * tokens
+
+    def draft_time(self, rows: int, tokens: int) -> float:
+        return self.draft_step
+
+    def overhead(self) -> float:
+        return 0.0
+
+    def observe(self, rows: int, width: int, steps: int, draft_s: float, verify_s: float, other_s: float) -> None:
+        self.observed.append((rows, width, steps))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,8 +23,58 @@ def pick_argmax(logits: torch.Tensor, step: int) -> torch.Tensor:
 
 @dataclass
 class Draft:
+    """Drafts for a round. Row b proposes tokens[b, :lengths[b]]; the rest of its row is padding that
+    the target is fed (the round's forward is rectangular) but that acceptance never takes.
+
+    forced[b, j] marks slots whose token was not drawn from `logits` (an n-gram proposal in a hybrid
+    draft): rejection sampling treats their q as a point mass. Without `logits`, every slot is one.
+    """
+
     tokens: torch.Tensor  # [b, k]
     logits: torch.Tensor | None  # [b, k, vocab], the drafter's raw logits (rejection sampling needs q)
+    lengths: torch.Tensor | None = None  # [b]; None: every row proposes all k
+    forced: torch.Tensor | None = None  # [b, k] bool; None: no slot is forced
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def row_lengths(self) -> torch.Tensor:
+        """Drafts each row proposes [b]."""
+        if self.lengths is not None:
+            return self.lengths
+        return torch.full((self.tokens.shape[0],), self.width, dtype=torch.long, device=self.tokens.device)
+
+    def capped(self, caps: torch.Tensor) -> Draft:
+        """At most caps[b] drafts for row b, and no column beyond the longest row (the verify forward
+        feeds the longest row's drafts and nothing more)."""
+        lengths = torch.minimum(self.row_lengths(), caps.to(self.tokens.device))
+        width = int(lengths.max()) if lengths.numel() else 0
+        return Draft(
+            self.tokens[:, :width],
+            None if self.logits is None else self.logits[:, :width],
+            None if bool((lengths == width).all()) else lengths,
+            None if self.forced is None else self.forced[:, :width],
+        )
+
+
+def empty_draft(rows: int, device: torch.device) -> Draft:
+    """No drafts at all: the round is a plain decoding step."""
+    return Draft(torch.zeros((rows, 0), dtype=torch.long, device=device), None)
+
+
+class Steering(Protocol):
+    """Decides, while a drafter drafts, whether another drafting step is worth its cost.
+
+    A drafter that supports it calls `proceed(step)` before computing draft `step` (0-based; False:
+    stop here, `step` drafts are all this round gets) and `observed(step, logits, tokens, forced)`
+    once it has drafted it: the drafter's logits [b, vocab] at that step, the drafted tokens [b] and
+    which of them were forced [b] (None: none).
+    """
+
+    def proceed(self, step: int) -> bool: ...
+
+    def observed(self, step: int, logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None) -> None: ...
 
 
 class Drafter(ABC):
@@ -33,6 +84,9 @@ class Drafter(ABC):
     and `unstage`), `propose` drafts, `drop` finished rows, and, for engines whose rows live in a pool
     between rounds (EXSPEC), `load` the round's rows from the pool and `save` them back. A drafter
     that keeps state it can check exposes it in `views`. Stateless drafters ignore all but `propose`.
+
+    Adaptive speculation adds `propose_steered` (draft while a `Steering` says it pays) and `skip` (a
+    round passed without drafts); both have defaults, so a drafter that knows neither still works.
     """
 
     @abstractmethod
@@ -41,11 +95,21 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
-        """k draft tokens for each row, continuing each sequence's current tokens."""
+        """k draft tokens for each row (or fewer, with `Draft.lengths`), continuing each sequence's
+        current tokens."""
 
     @abstractmethod
     def drop(self, keep: list[bool]) -> list[int]:
         """Remove rows, mirroring the target layout's `drop` (same order returned)."""
+
+    def propose_steered(self, seqs: list[Sequence], k: int, pick: Picker, steer: Steering) -> Draft:
+        """Up to k drafts per row, drafting step by step only while `steer` says so. The default
+        drafts all k at once (a drafter that cannot stop early); the engine trims afterwards."""
+        return self.propose(seqs, k, pick)
+
+    def skip(self, seqs: list[Sequence]) -> None:
+        """The round runs without drafts: forget anything fed beyond the committed tokens, since the
+        sequences will grow without this drafter seeing it (a later `propose` catches up)."""
 
     def stage(self, tokens: list[int]) -> None:
         """Chunked prefill: the next chunk of the prompt being admitted (fed to the target too)."""

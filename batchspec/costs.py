@@ -1,0 +1,259 @@
+"""What a round costs, measured: the time of one target forward by rows and tokens per row, and of
+one drafter step by rows, on this machine, these models, this dtype and device.
+
+Adaptive speculation (`batchspec.speculation`) chooses how many drafts to verify by comparing the
+tokens they are expected to add with the time they add, so the times must be this machine's: on a
+2-core CPU a 6-token verify of a 1.5B model costs ~2.3x a 1-token one, on a GPU about the same as
+one. A short calibration runs the first time a model is used (a few forwards per shape, prefill
+excluded) and is cached per model fingerprint and device in the user cache dir; during decoding the
+engine's own phase timings rescale it (an exponential moving average of measured / predicted), so
+load on the machine and growing contexts are followed. Tests inject a scripted model (`Costs`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .bundled import cache_dir
+from .kv import context_limit
+from .layouts.ragged import RaggedLayout
+
+SMOOTHING = 0.1  # weight of each new round in the online rescaling
+SCALE_BOUNDS = (0.2, 5.0)  # a single odd round (a GC pause, a page fault) may not move the model further
+CONTEXT = 32  # committed tokens per row while measuring: decode-like, and cheap to prefill
+REPEATS = 2  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
+MAX_GRID = 4  # measured points per axis; the rest is interpolated
+
+
+class Costs(Protocol):
+    """Seconds of the parts of a round, as the speculation policy needs them."""
+
+    def verify_time(self, rows: int, tokens: int) -> float:
+        """One target forward of `tokens` tokens for each of `rows` rows."""
+
+    def draft_time(self, rows: int, tokens: int) -> float:
+        """One drafter step feeding `tokens` tokens to each of `rows` rows (0 without a drafter model)."""
+
+    def overhead(self) -> float:
+        """Per round, outside the forwards (acceptance, commits, bookkeeping)."""
+
+    def observe(self, rows: int, width: int, steps: int, draft_s: float, verify_s: float, other_s: float) -> None:
+        """A round ran: `rows` rows verified `width` drafts each after `steps` drafter steps, taking
+        these phase times."""
+
+
+def wall_clock(model: torch.nn.Module) -> float:
+    """Wall clock that waits for queued GPU work, so phase timings are honest on CUDA too."""
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends, never below 0."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class TimingTable:
+    """Seconds of one forward measured at each (rows[i], tokens[j]): seconds[i][j]."""
+
+    rows: list[int]
+    tokens: list[int]
+    seconds: list[list[float]]
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        by_rows = [_interp(self.tokens, line, tokens) for line in self.seconds]
+        return _interp(self.rows, by_rows, rows)
+
+    def covers(self, rows: int, tokens: int) -> bool:
+        return rows <= self.rows[-1] and tokens <= self.tokens[-1]
+
+
+class MeasuredCosts:
+    """A calibrated `TimingTable` per model, rescaled online by what rounds really take."""
+
+    def __init__(self, verify: TimingTable, draft: TimingTable | None, source: str = "") -> None:
+        self.verify = verify
+        self.draft = draft
+        self.source = source  # where the tables came from, for `describe`
+        self.verify_scale = 1.0
+        self.draft_scale = 1.0
+        self._overhead: float | None = None
+
+    def verify_time(self, rows: int, tokens: int) -> float:
+        return self.verify(rows, tokens) * self.verify_scale
+
+    def draft_time(self, rows: int, tokens: int) -> float:
+        return 0.0 if self.draft is None else self.draft(rows, tokens) * self.draft_scale
+
+    def overhead(self) -> float:
+        return self._overhead or 0.0
+
+    def observe(self, rows: int, width: int, steps: int, draft_s: float, verify_s: float, other_s: float) -> None:
+        self.verify_scale = _rescaled(self.verify_scale, verify_s, self.verify(rows, width + 1))
+        if steps and self.draft is not None:
+            predicted = self.draft(rows, 2) + (steps - 1) * self.draft(rows, 1)
+            self.draft_scale = _rescaled(self.draft_scale, draft_s, predicted)
+        self._overhead = other_s if self._overhead is None else (1 - SMOOTHING) * self._overhead + SMOOTHING * other_s
+
+    def without_drafter(self) -> MeasuredCosts:
+        """The same target costs for a drafter that costs nothing to run (n-gram lookup)."""
+        return MeasuredCosts(self.verify, None, self.source)
+
+    def to_json(self) -> dict:
+        return {"verify": asdict(self.verify), "draft": asdict(self.draft) if self.draft else None,
+                "verify_scale": round(self.verify_scale, 4), "draft_scale": round(self.draft_scale, 4),
+                "overhead_s": self.overhead(), "source": self.source}
+
+
+def _rescaled(scale: float, measured: float, predicted: float) -> float:
+    if predicted <= 0 or measured <= 0:
+        return scale
+    ratio = min(max(measured / predicted, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+    return (1 - SMOOTHING) * scale + SMOOTHING * ratio
+
+
+# ---- calibration ------------------------------------------------------------------------------------
+def grid(top: int, base: tuple[int, ...] = ()) -> list[int]:
+    """At most MAX_GRID points from 1 to `top`: powers of two (and `base`), spread evenly, ends kept."""
+    points = sorted({1, top, *(2**i for i in range(top.bit_length()) if 2**i < top), *(b for b in base if b < top)})
+    if len(points) <= MAX_GRID:
+        return points
+    step = (len(points) - 1) / (MAX_GRID - 1)
+    return sorted({points[round(i * step)] for i in range(MAX_GRID)})
+
+
+@torch.inference_mode()
+def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logits: bool) -> TimingTable:
+    """Time one forward of each shape through the ragged layout (the engine's own path), after
+    CONTEXT committed tokens per row; `all_logits` as a verify forward (every position's logits)
+    rather than a drafter step (the last position's only)."""
+    limit = context_limit(model)
+    context = CONTEXT if limit is None else min(CONTEXT, limit - max(tokens))
+    device = next(model.parameters()).device
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    seconds = []
+    for r in rows:
+        layout = RaggedLayout(model, r, context + max(tokens))
+        ids = [(7 * i + 3) % vocab for i in range(context)]
+        layout.prefill([ids] * r)
+        base = layout.lengths.clone()
+        line = []
+        for n in tokens:
+            feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
+            times = []
+            for _ in range(REPEATS + 1):
+                start = wall_clock(model)
+                layout.forward(feed, last_only=not all_logits)
+                times.append(wall_clock(model) - start)
+                layout.commit(base)
+            line.append(min(times[1:]))
+        seconds.append(line)
+    return TimingTable(rows, tokens, seconds)
+
+
+def fingerprint(model: torch.nn.Module) -> dict:
+    """What a measurement depends on: the model (architecture, config, size), its dtype and device,
+    the hardware and the threads torch uses."""
+    param = next(model.parameters())
+    config = model.config.to_json_string(use_diff=True) if hasattr(model.config, "to_json_string") else repr(model.config)
+    return {
+        "model": type(model).__name__,
+        "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(param.dtype),
+        "device": param.device.type,
+        "hardware": torch.cuda.get_device_name(param.device) if param.is_cuda else cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def costs_dir() -> Path:
+    return cache_dir() / "costs"
+
+
+_MEMO: dict[str, TimingTable] = {}
+
+
+def calibrated(model: torch.nn.Module, rows: int, tokens: int, all_logits: bool,
+               measure_fn: Callable[..., TimingTable] = measure) -> tuple[TimingTable, str]:
+    """The model's timing table covering `rows` x `tokens`: from this process, from the cache file,
+    or measured now (and cached). Returns it and where it came from."""
+    parts = fingerprint(model) | {"all_logits": all_logits}
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+    path = costs_dir() / f"{key}.json"
+    table = _MEMO.get(key)
+    if table is None and path.is_file():
+        try:
+            table = TimingTable(**json.loads(path.read_text(encoding="utf-8"))["table"])
+        except (OSError, ValueError, KeyError, TypeError):
+            table = None  # unreadable: measure again
+    if table is not None and table.covers(rows, tokens):
+        _MEMO[key] = table
+        return table, f"cached {path}"
+    token_grid = grid(tokens, (2,)) if all_logits else [1, 2]
+    table = measure_fn(model, grid(rows), token_grid, all_logits)
+    _MEMO[key] = table
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"fingerprint": parts, "table": asdict(table)}, indent=1) + "\n", encoding="utf-8")
+        where = f"measured, cached in {path}"
+    except OSError:
+        where = "measured (cache dir not writable)"
+    return table, where
+
+
+def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows: int, max_drafts: int) -> MeasuredCosts:
+    """Costs of rounds of up to `rows` rows and `max_drafts` drafts each (verify feeds max_drafts + 1)."""
+    verify, where = calibrated(target, rows, max_drafts + 1, all_logits=True)
+    draft_table = None
+    if draft is not None:
+        draft_table, draft_where = calibrated(draft, rows, 2, all_logits=False)
+        where = f"target {where}; drafter {draft_where}"
+    return MeasuredCosts(verify, draft_table, where)
+
+
+def break_even(costs: Costs, rows: int, k: int) -> float | None:
+    """The per-draft acceptance rate at which k drafts per row are worth exactly as much as plain
+    decoding at this batch size: (1 + a + ... + a^k) / T(k) = 1 / T(0). None: not even with every
+    draft accepted."""
+    plain = costs.verify_time(rows, 1) + costs.overhead()
+    drafting = (costs.draft_time(rows, 2) + (k - 1) * costs.draft_time(rows, 1)) if k else 0.0
+    needed = (drafting + costs.verify_time(rows, k + 1) + costs.overhead()) / plain
+    if needed > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(k + 1)) < needed:
+            lo = mid
+        else:
+            hi = mid
+    return hi

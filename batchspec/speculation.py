@@ -1,0 +1,310 @@
+"""How many drafts each row verifies each round: `fixed` (K every round, as the paper does) or
+`adaptive` (as many as pay for themselves, on measured costs).
+
+Adaptive speculation maximises the expected committed tokens per second of round time. A round of
+`rows` rows verifying w drafts each (after s drafter steps) takes T(w, s) = s drafter steps + one
+verify forward of w + 1 tokens per row + the per-round overhead (`batchspec.costs`, measured), and
+commits E(w) = rows + sum over rows b and slots j < w of P_b(j), P_b(j) being the probability that
+row b's first j + 1 drafts are all accepted. The verify forward is rectangular (padded to the
+longest row), so a slot below the round's width costs every row's share whether a row uses it or
+not: the decision is the round's width, and every row gets min(width, what it proposed, its own
+budget). That is TETRIS's allocation (slots to the rows and positions with the highest cumulative
+acceptance under the round's cost) for a cost that depends on the padded shape.
+
+P_b(j) is the product of per-draft acceptance probabilities (LibraSpec). Before drafting they are
+predicted from each row's recent acceptance at each position (`AcceptanceModel.expected`); once the
+drafter has computed a draft, from its own confidence in it, calibrated online against what the
+target really accepted, per draft position and confidence bin, with a per-row correction
+(`AcceptanceModel.calibrate`). The width is decided step by step (`RoundSteering`): before each
+drafter step, draft on only if some width beyond the drafts in hand promises a better rate than
+stopping with the best prefix of them (their drafting time is sunk either way: LibraSpec's marginal
+criterion, with a full look-ahead rather than one step); after drafting, verify the best prefix.
+Width 0 is a plain decoding step: the drafter does not run at all. When the estimates keep the batch
+at width 0, a one-draft probe runs now and then (at intervals that double while probes do not pay)
+so that acceptance that recovers (a row starts copying code, say) is noticed.
+
+Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
+greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen;
+for rejection-sampled rows the confidence is sum(q^2), known before a draft is drawn, so the rule
+stays distribution-preserving.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from .costs import Costs
+from .drafters import Draft
+from .sampling import draft_confidence
+from .sequence import Sequence
+
+BINS = 10  # confidence bins; one more for drafts without a confidence (n-gram proposals)
+NO_CONFIDENCE = BINS
+SAMPLED, FORCED = 0, 1  # a draft drawn from the drafter's distribution, or proposed deterministically
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind every prior, so a few outcomes move an estimate
+POSITION_PRIOR = 0.6  # acceptance expected of a draft before anything is known
+LOOKUP_PRIOR = 0.5  # ... of a draft without a confidence
+GLOBAL_DECAY = 0.998  # per round: calibration follows drift over a few hundred rounds
+ROW_DECAY = 0.9  # per round of the row: its own history over the last ten or so
+MAX_ACCEPTANCE = 0.999
+PROBE_FIRST, PROBE_LAST = 4, 64  # rounds at width 0 before a probe; doubling up to PROBE_LAST
+
+
+@dataclass
+class RoundPlan:
+    """What the engine asks the drafter for: up to `steps` drafter steps (0: a plain decoding step),
+    steered by `steer` when the policy adapts."""
+
+    steps: int
+    steer: RoundSteering | None = None
+
+
+class Speculation(ABC):
+    """A speculation policy: plans a round, trims what the drafter proposed, learns from the outcome."""
+
+    @abstractmethod
+    def plan(self, seqs: list[Sequence]) -> RoundPlan: ...
+
+    def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
+        """The drafts to verify, out of what the drafter proposed."""
+        return draft
+
+    def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
+                times: tuple[float, float, float]) -> None:
+        """The round's outcome: `count` [b] tokens emitted per row (accepted drafts + 1) and its
+        (draft, verify, other) seconds."""
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """These sequences left the engine."""
+
+
+class FixedSpeculation(Speculation):
+    """K drafts every round for every row (fewer only where the drafter proposes fewer, or no row
+    can emit more)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def plan(self, seqs: list[Sequence]) -> RoundPlan:
+        return RoundPlan(max(0, min(self.k, max(s.remaining for s in seqs) - 1)))
+
+
+@dataclass
+class _RowHistory:
+    """One sequence's recent drafts, per position: accepted, verified, and what the calibration
+    table expected of them (for the row's correction factor). Decayed per round."""
+
+    hits: torch.Tensor
+    trials: torch.Tensor
+    expected: torch.Tensor
+
+
+class AcceptanceModel:
+    """Online acceptance estimates: a calibration table (source x position x confidence bin) shared
+    by all rows, and each row's own recent acceptance per position."""
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        centers = (torch.arange(BINS, dtype=torch.float64) + 0.5) / BINS
+        self.prior = torch.cat([centers, torch.tensor([LOOKUP_PRIOR], dtype=torch.float64)]).expand(2, k_max, -1)
+        self.cell_hits = torch.zeros(2, k_max, BINS + 1, dtype=torch.float64)
+        self.cell_trials = torch.zeros_like(self.cell_hits)
+        self.position_hits = torch.zeros(k_max, dtype=torch.float64)
+        self.position_trials = torch.zeros_like(self.position_hits)
+        self.rows: dict[int, _RowHistory] = {}
+
+    def _history(self, seqs: list[Sequence]) -> list[_RowHistory]:
+        out = []
+        for s in seqs:
+            if s.index not in self.rows:
+                zeros = torch.zeros(self.k_max, dtype=torch.float64)
+                self.rows[s.index] = _RowHistory(zeros, zeros.clone(), zeros.clone())
+            out.append(self.rows[s.index])
+        return out
+
+    def expected(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[b, k_max] each row's acceptance probability per draft position, before drafting: its own
+        recent rate, shrunk towards the rate of all rows at that position."""
+        overall = (self.position_hits + PRIOR_WEIGHT * POSITION_PRIOR) / (self.position_trials + PRIOR_WEIGHT)
+        history = self._history(seqs)
+        hits = torch.stack([h.hits for h in history])
+        trials = torch.stack([h.trials for h in history])
+        return ((hits + PRIOR_WEIGHT * overall) / (trials + PRIOR_WEIGHT)).clamp(max=MAX_ACCEPTANCE)
+
+    def _cells(self, position: torch.Tensor, confidence: torch.Tensor, source: torch.Tensor) -> tuple:
+        bins = torch.where(torch.isnan(confidence), NO_CONFIDENCE,
+                           (confidence.nan_to_num(0.0) * BINS).long().clamp(0, BINS - 1))
+        return source, position, bins
+
+    def _table(self, cells: tuple) -> torch.Tensor:
+        return (self.cell_hits[cells] + PRIOR_WEIGHT * self.prior[cells]) / (self.cell_trials[cells] + PRIOR_WEIGHT)
+
+    def calibrate(self, seqs: list[Sequence], position: int, confidence: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """[b] acceptance probability of each row's draft at `position` given the drafter's
+        confidence in it (NaN: none) and its source, corrected by how the row has fared against the
+        table lately."""
+        cells = self._cells(torch.full_like(source, position), confidence.double(), source)
+        history = self._history(seqs)
+        hits = torch.stack([h.hits.sum() for h in history])
+        expected = torch.stack([h.expected.sum() for h in history])
+        factor = (hits + PRIOR_WEIGHT) / (expected + PRIOR_WEIGHT)
+        return (self._table(cells) * factor).clamp(0.0, MAX_ACCEPTANCE)
+
+    def record(self, seqs: list[Sequence], lengths: torch.Tensor, accepted: torch.Tensor,
+               confidence: torch.Tensor, source: torch.Tensor) -> None:
+        """Outcomes of one round: row b verified lengths[b] drafts and accepted accepted[b]; slots after
+        the first rejection were never judged and teach nothing."""
+        width = confidence.shape[1]
+        slots = torch.arange(width)[None, :]
+        judged = (slots < lengths[:, None]) & (slots <= accepted[:, None])
+        hit = (slots < accepted[:, None]).double() * judged
+        position = slots.expand_as(judged)
+        cells = self._cells(position, confidence.double(), source)
+        expected = self._table(cells) * judged
+        for table in (self.cell_hits, self.cell_trials, self.position_hits, self.position_trials):
+            table.mul_(GLOBAL_DECAY)
+        index = tuple(c[judged] for c in cells)
+        self.cell_hits.index_put_(index, hit[judged], accumulate=True)
+        self.cell_trials.index_put_(index, torch.ones_like(hit[judged]), accumulate=True)
+        self.position_hits[:width] += hit.sum(dim=0)
+        self.position_trials[:width] += judged.double().sum(dim=0)
+        for history, h, j, e in zip(self._history(seqs), hit, judged.double(), expected):
+            for values, new in ((history.hits, h), (history.trials, j), (history.expected, e)):
+                values.mul_(ROW_DECAY)
+                values[:width] += new
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.rows.pop(s.index, None)
+
+
+@dataclass
+class RoundSteering:
+    """One round's drafting under the adaptive policy: knows each row's cap and, per slot, the
+    acceptance probability used for decisions (predicted, replaced by the calibrated value once the
+    drafter has drafted that slot). The `Steering` a drafter calls."""
+
+    policy: AdaptiveSpeculation
+    seqs: list[Sequence]
+    caps: torch.Tensor  # [b] most drafts each row can use
+    alpha: torch.Tensor  # [b, k_max] per-slot acceptance probability (conditional on the slots before)
+    probe: bool = False
+    steps: int = 0  # drafter steps run so far
+    confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
+    source: torch.Tensor = field(init=False)  # [b, k_max]
+
+    def __post_init__(self) -> None:
+        self.confidence = torch.full(self.alpha.shape, float("nan"), dtype=torch.float64)
+        self.source = torch.full(self.alpha.shape, SAMPLED, dtype=torch.long)
+
+    def proceed(self, step: int) -> bool:
+        if step == 0 and self.probe:
+            return True
+        stop = self.policy.best_width(self, 0, step, step)
+        go = self.policy.best_width(self, step + 1, int(self.caps.max()), step)
+        return go[1] > stop[1]
+
+    def observed(self, step: int, logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None) -> None:
+        confidence = draft_confidence(logits, tokens, forced, self.seqs).double().cpu()
+        source = torch.full((len(self.seqs),), SAMPLED, dtype=torch.long) if forced is None else forced.long().cpu()
+        self.confidence[:, step] = confidence
+        self.source[:, step] = source
+        self.alpha[:, step] = self.policy.model.calibrate(self.seqs, step, confidence, source)
+        self.steps = step + 1
+
+    def cumulative(self, width: int) -> torch.Tensor:
+        """[b, width] P(row b accepts its first j + 1 drafts), 0 past each row's cap."""
+        alive = torch.arange(width)[None, :] < self.caps[:, None]
+        return torch.cumprod(self.alpha[:, :width], dim=1) * alive
+
+
+class AdaptiveSpeculation(Speculation):
+    """LibraSpec's marginal rule over the whole round, on measured costs (see the module docstring)."""
+
+    def __init__(self, k_max: int, costs: Costs) -> None:
+        self.k_max = k_max
+        self.costs = costs
+        self.model = AcceptanceModel(k_max)
+        self.idle = 0  # rounds in a row at width 0 by choice
+        self.probe_every = PROBE_FIRST
+
+    def round_time(self, rows: int, width: int, steps: int) -> float:
+        """Seconds of a round verifying `width` drafts per row after `steps` drafter steps (the first
+        feeds two tokens per row, the rest one)."""
+        drafting = 0.0 if steps == 0 else self.costs.draft_time(rows, 2) + (steps - 1) * self.costs.draft_time(rows, 1)
+        return drafting + self.costs.verify_time(rows, width + 1) + self.costs.overhead()
+
+    def best_width(self, steer: RoundSteering, lo: int, hi: int, steps_run: int) -> tuple[int, float]:
+        """The width in [lo, hi] with the most expected tokens per second, and that rate; widths
+        beyond the `steps_run` drafts in hand pay for the drafter steps still needed. An empty range
+        rates -inf."""
+        if hi < lo:
+            return lo, float("-inf")
+        rows = len(steer.seqs)
+        gains = torch.cat([torch.zeros(1, dtype=torch.float64), steer.cumulative(hi).sum(dim=0).cumsum(dim=0)])
+        best = (lo, float("-inf"))
+        for width in range(lo, hi + 1):
+            rate = (rows + float(gains[width])) / self.round_time(rows, width, max(width, steps_run))
+            if rate > best[1]:
+                best = (width, rate)
+        return best
+
+    def plan(self, seqs: list[Sequence]) -> RoundPlan:
+        caps = torch.tensor([min(self.k_max, s.remaining - 1) for s in seqs], dtype=torch.long).clamp(min=0)
+        top = int(caps.max())
+        if top == 0:
+            return RoundPlan(0)
+        steer = RoundSteering(self, seqs, caps, self.model.expected(seqs))
+        if self.costs.draft_time(len(seqs), 1) == 0:
+            return RoundPlan(top, steer)  # drafting is free (n-gram lookup): always look, trim after
+        if steer.proceed(0):
+            self.idle, self.probe_every = 0, PROBE_FIRST
+            return RoundPlan(top, steer)
+        self.idle += 1
+        if self.idle < self.probe_every:
+            return RoundPlan(0)
+        self.idle, self.probe_every = 0, min(2 * self.probe_every, PROBE_LAST)
+        steer.probe = True
+        return RoundPlan(top, steer)
+
+    def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
+        steer = plan.steer
+        assert steer is not None
+        width = draft.width
+        deterministic = draft.forced if draft.forced is not None else torch.full(
+            draft.tokens.shape, draft.logits is None, dtype=torch.bool)
+        for step in range(width):
+            if step >= steer.steps:  # slots no steered step looked at: calibrate without a confidence
+                source = deterministic[:, step].long().cpu()
+                steer.source[:, step] = source
+                steer.alpha[:, step] = self.model.calibrate(steer.seqs, step, steer.confidence[:, step], source)
+        steer.caps = torch.minimum(steer.caps, draft.row_lengths().cpu())
+        chosen, _ = self.best_width(steer, 0, width, steer.steps)
+        if steer.probe and width:
+            chosen = max(chosen, 1)
+        return draft.capped(torch.minimum(steer.caps, torch.tensor(chosen)).to(draft.tokens.device))
+
+    def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
+                times: tuple[float, float, float]) -> None:
+        steps = 0
+        if plan.steer is not None:
+            steer = plan.steer
+            steps = steer.steps
+            width = draft.width
+            lengths = draft.row_lengths().cpu()
+            self.model.record(seqs, lengths, count.cpu() - 1, steer.confidence[:, :width], steer.source[:, :width])
+        self.costs.observe(len(seqs), draft.width, steps, *times)
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        self.model.forget(seqs)
+
+
+def make_speculation(kind: str, k: int, costs: Costs | None) -> Speculation:
+    if kind == "adaptive":
+        if costs is None:
+            raise ValueError("adaptive speculation needs a cost model")
+        return AdaptiveSpeculation(k, costs)
+    return FixedSpeculation(k)
