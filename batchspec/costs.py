@@ -202,15 +202,16 @@ def costs_dir() -> Path:
 _MEMO: dict[str, TimingTable] = {}
 
 
-def calibrated(model: torch.nn.Module, rows: int, tokens: int, all_logits: bool,
+def calibrated(model: torch.nn.Module, rows: int, tokens: int, all_logits: bool, fresh: bool = False,
                measure_fn: Callable[..., TimingTable] = measure) -> tuple[TimingTable, str]:
     """The model's timing table covering `rows` x `tokens`: from this process, from the cache file,
-    or measured now (and cached). Returns it and where it came from."""
+    or measured now (and cached); `fresh` measures anew whatever is cached. Returns it and where it
+    came from."""
     parts = fingerprint(model) | {"all_logits": all_logits}
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     path = costs_dir() / f"{key}.json"
-    table = _MEMO.get(key)
-    if table is None and path.is_file():
+    table = None if fresh else _MEMO.get(key)
+    if table is None and not fresh and path.is_file():
         try:
             table = TimingTable(**json.loads(path.read_text(encoding="utf-8"))["table"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -230,12 +231,13 @@ def calibrated(model: torch.nn.Module, rows: int, tokens: int, all_logits: bool,
     return table, where
 
 
-def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows: int, max_drafts: int) -> MeasuredCosts:
+def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows: int, max_drafts: int,
+                   fresh: bool = False) -> MeasuredCosts:
     """Costs of rounds of up to `rows` rows and `max_drafts` drafts each (verify feeds max_drafts + 1)."""
-    verify, where = calibrated(target, rows, max_drafts + 1, all_logits=True)
+    verify, where = calibrated(target, rows, max_drafts + 1, all_logits=True, fresh=fresh)
     draft_table = None
     if draft is not None:
-        draft_table, draft_where = calibrated(draft, rows, 2, all_logits=False)
+        draft_table, draft_where = calibrated(draft, rows, 2, all_logits=False, fresh=fresh)
         where = f"target {where}; drafter {draft_where}"
     return MeasuredCosts(verify, draft_table, where)
 

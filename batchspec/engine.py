@@ -346,9 +346,9 @@ class Engine:
             pick = sampling.draft_picker(seqs, self.randomness)
             if plan.steer is not None:
                 proposal = self.drafter.propose_steered(seqs, plan.steps, pick, plan.steer)
-                draft = self.speculation.settle(plan, proposal)
             else:
-                proposal = draft = self.drafter.propose(seqs, plan.steps, pick)
+                proposal = self.drafter.propose(seqs, plan.steps, pick)
+            draft = self.speculation.settle(plan, proposal)
         elif self.drafter is not None:
             self.drafter.skip(seqs)
         t1 = wall_clock(self.target)

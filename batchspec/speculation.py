@@ -201,8 +201,8 @@ class RoundSteering:
         self.source = torch.full(self.alpha.shape, SAMPLED, dtype=torch.long)
 
     def proceed(self, step: int) -> bool:
-        if step == 0 and self.probe:
-            return True
+        if step == 0:
+            return self.policy.open(self)
         stop = self.policy.best_width(self, 0, step, step)
         go = self.policy.best_width(self, step + 1, int(self.caps.max()), step)
         return go[1] > stop[1]
@@ -257,18 +257,22 @@ class AdaptiveSpeculation(Speculation):
         top = int(caps.max())
         if top == 0:
             return RoundPlan(0)
-        steer = RoundSteering(self, seqs, caps, self.model.expected(seqs))
-        if self.costs.draft_time(len(seqs), 1) == 0:
-            return RoundPlan(top, steer)  # drafting is free (n-gram lookup): always look, trim after
-        if steer.proceed(0):
+        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs)))
+
+    def open(self, steer: RoundSteering) -> bool:
+        """Whether to run the drafter at all this round (its first step), probing now and then when
+        the estimates keep saying no."""
+        _, stop = self.best_width(steer, 0, 0, 0)
+        _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
+        if go > stop:
             self.idle, self.probe_every = 0, PROBE_FIRST
-            return RoundPlan(top, steer)
+            return True
         self.idle += 1
         if self.idle < self.probe_every:
-            return RoundPlan(0)
+            return False
         self.idle, self.probe_every = 0, min(2 * self.probe_every, PROBE_LAST)
         steer.probe = True
-        return RoundPlan(top, steer)
+        return True
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
         steer = plan.steer

@@ -24,3 +24,12 @@ def tiny_pair_dirs(tmp_path_factory) -> tuple[Path, Path]:
     from tinyworld import save_pair
 
     return save_pair(tmp_path_factory.mktemp("tiny_pair"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _costs_cache(tmp_path_factory):
+    """Cost models measured by tests (tiny models) go to a temporary dir, never the user's cache."""
+    folder = tmp_path_factory.mktemp("costs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("batchspec.costs.costs_dir", lambda: folder)
+        yield

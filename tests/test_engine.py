@@ -7,7 +7,16 @@ import functools
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
-from tinyworld import VOCAB_SIZE, ScriptedDrafter, perturbed_copy, random_prompts, tiny_model
+from tinyworld import (
+    VOCAB_SIZE,
+    LengthsDrafter,
+    ScheduledSpeculation,
+    ScriptedCosts,
+    ScriptedDrafter,
+    perturbed_copy,
+    random_prompts,
+    tiny_model,
+)
 
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.forensics.invariants import InvariantError
@@ -423,3 +432,150 @@ def test_reserved_capacity_refuses_what_cannot_fit_and_duplicate_ids():
     with pytest.raises(BatchspecError, match="request id 7 is already in flight"):
         engine.add_request([5, 6], SamplingParams(max_new_tokens=4), request_id=7)
     assert engine.add_request([5, 6], SamplingParams(max_new_tokens=4)) == 8
+
+
+# ---- adaptive speculation, per-row draft lengths, n-gram and hybrid drafters ------------------------
+# Cost regimes for the adaptive policy: verification nearly free (it drafts the most), verification and
+# drafting moderately priced (it drafts a little, rows differ), drafting dear (mostly plain steps, probes).
+COSTS = {"free": (1.0, 0.01, 0.01), "moderate": (1.0, 0.1, 0.2), "dear": (1.0, 0.5, 3.0)}
+
+
+def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a short phrase, so prompt lookup finds matches, mixed with random ones."""
+    out = []
+    for i, prompt in enumerate(random_prompts(count, [3, 8, 5, 12, 1, 6], seed)):
+        out.append(prompt * 3 if i % 2 == 0 else prompt)
+    return out
+
+
+@settings(max_examples=40)
+@given(
+    arch=st.sampled_from(ARCHS),
+    method=st.sampled_from(["ragged", "eqspec", "exspec"]),
+    continuous=st.booleans(),
+    drafter_kind=st.sampled_from(["model", "ngram", "hybrid"]),
+    adaptive=st.booleans(),
+    costs=st.sampled_from(sorted(COSTS)),
+    batch_size=st.integers(1, 6),
+    k=st.integers(1, 6),
+    budgets=st.lists(one_or_up_to(24), min_size=1, max_size=8),
+    seed=st.integers(0, 10_000),
+    chunk=st.sampled_from([None, 2, 16]),
+)
+def test_adaptive_and_lookup_drafting_match_oracle(arch, method, continuous, drafter_kind, adaptive, costs, batch_size,
+                                                   k, budgets, seed, chunk):
+    """Every row equals plain decoding of its prompt alone whatever width the adaptive policy picks
+    (rows of one round verifying different numbers of drafts, plain steps between speculative ones),
+    and with n-gram rows that do and do not find a match in one batch."""
+    prompts = repetitive_prompts(len(budgets), seed)
+    scheduler = ("continuous" if continuous else "static") if method == "ragged" else None
+    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
+                      speculation="adaptive" if adaptive else "fixed", drafter=drafter_kind, ngram_min=1, ngram_max=3,
+                      check_invariants=True, max_prefill_tokens=chunk if scheduler == "continuous" else None)
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=ScriptedCosts(*COSTS[costs]))
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle(arch, prompts, outputs, budgets)
+    for seq in outputs:
+        assert len(seq.chosen_k) == len(seq.proposed_k) == len(seq.accepted_k) == seq.rounds
+        assert all(a <= c <= k and c <= max(p, 0) for a, c, p in zip(seq.accepted_k, seq.chosen_k, seq.proposed_k))
+        assert sum(seq.chosen_k) == seq.drafted and sum(seq.accepted_k) == seq.accepted
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec"])
+def test_rows_never_accept_more_drafts_than_they_proposed(method):
+    """Each row declares its own number of drafts (some none) but the padding after them holds the
+    target's own tokens: only acceptance's per-row cap keeps a row from taking them."""
+    arch, max_new = "llama", 16
+    prompts = random_prompts(6, [3, 9, 5, 12, 2, 7], seed=17)
+    truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
+    lengths = [0, 3, 1, 5, 2, 4]
+    spec = SpecConfig(method=method, num_draft_tokens=5, batch_size=6, check_invariants=True)
+    engine = build_engine(target(arch), spec, drafter=LengthsDrafter(truth, lengths))
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
+    assert_matches_oracle(arch, prompts, outputs, max_new)
+    for seq in outputs:
+        cap = lengths[seq.index]
+        assert set(seq.chosen_k[:-1]) <= {cap} and seq.accepted_k[:-1] == seq.chosen_k[:-1]  # all right, capped
+        assert all(a <= cap for a in seq.accepted_k)
+    assert outputs[0].rounds == max_new - 1  # proposes nothing: one token per round, as plain decoding
+
+
+@pytest.mark.parametrize("method, scheduler", [("ragged", "continuous"), ("ragged", "static"), ("eqspec", None),
+                                               ("exspec", None)])
+def test_rounds_without_drafts_then_speculative_rounds(method, scheduler):
+    """Plain steps never run the drafter and leave it behind; its next speculative round catches each
+    row up (rows lag by different amounts) in one extra forward, without a re-prefill, and every row
+    stays exact, its target and drafter K/V checked every round."""
+    arch = "qwen2"
+    prompts = random_prompts(5, [4, 9, 1, 13, 6], seed=23)
+    budgets = [30, 12, 25, 30, 7]
+    spec = SpecConfig(method=method, scheduler=scheduler, num_draft_tokens=4, batch_size=3, check_invariants=True)
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch))
+    engine.reserve(rows=3, capacity=64)
+    engine.speculation = ScheduledSpeculation([0, 0, 0, 3, 0, 4, 0, 0, 0, 0, 0, 0, 2], caps=[4, 1, 3])
+    fed: list[int] = []
+    layout = engine.drafter.layout
+    original = layout.forward
+    layout.forward = lambda tokens, last_only=False: fed.append(tokens.shape[1]) or original(tokens, last_only)
+    for p, b in zip(prompts, budgets):
+        engine.add_request(p, SamplingParams(max_new_tokens=b))
+    done, calls = {}, []
+    while engine.has_unfinished():
+        before, planned = len(fed), engine.speculation.round
+        done.update({s.index: s for s in engine.step()})
+        if engine.speculation.round > planned:
+            calls.append((engine.speculation.steps, fed[before:]))
+    outputs = [done[i] for i in range(len(prompts))]
+    assert_matches_oracle(arch, prompts, outputs, budgets)
+    assert all(not widths for steps, widths in calls if steps == 0)
+    # a speculative round: the usual two-token step then one token a step, after one ragged catch-up
+    # forward where rows lag (width: the longest lag but the two tokens the usual step feeds)
+    assert all(widths[-steps:] == [2] + [1] * (steps - 1) and len(widths) <= steps + 1
+               for steps, widths in calls if steps and widths)
+    caught_up = [widths[0] for steps, widths in calls if steps and len(widths) == steps + 1]
+    assert caught_up and max(caught_up) > 2
+    assert any(0 in s.chosen_k and any(s.chosen_k) for s in outputs)
+
+
+def test_plain_steps_cost_what_ar_costs(monkeypatch):
+    """With drafting far too dear to pay, the adaptive policy runs plain steps (target fed one token
+    per row, drafter idle) except for occasional one-draft probes, and outputs stay exact."""
+    arch = "llama"
+    widths: list[int] = []
+    original = RaggedLayout.forward
+
+    def spy(self, tokens, last_only=False):
+        if self.model is target(arch):
+            widths.append(tokens.shape[1])
+        return original(self, tokens, last_only)
+
+    monkeypatch.setattr(RaggedLayout, "forward", spy)
+    prompts = random_prompts(3, [5, 8, 3], seed=29)
+    spec = SpecConfig(method="ragged", num_draft_tokens=5, batch_size=3, speculation="adaptive")
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=ScriptedCosts(1.0, 0.5, 50.0))
+    state = engine.randomness.generator.get_state()
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=40))
+    assert_matches_oracle(arch, prompts, outputs, 40)
+    probes = sum(1 for w in widths if w > 1)
+    assert widths.count(1) > 5 * probes > 0  # plain steps, and a few probes
+    assert all(w <= 2 for w in widths)  # a probe verifies a single draft
+    assert torch.equal(engine.randomness.generator.get_state(), state)  # greedy: no randomness consumed
+
+
+def test_adaptive_verifies_the_most_when_verification_is_free():
+    """Free verification and an always-right drafter: every round verifies K_max drafts, or all a row
+    can still emit."""
+    arch = "llama"
+    prompts = random_prompts(4, [5, 8, 3, 6], seed=31)
+    budgets = [20, 13, 7, 20]
+    truth = {tuple(p): oracle(arch, tuple(p), b) for p, b in zip(prompts, budgets)}
+    spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=4, speculation="adaptive")
+    engine = build_engine(target(arch), spec, drafter=ScriptedDrafter(truth, 1.0, VOCAB_SIZE),
+                          costs=ScriptedCosts(1.0, 0.0, 0.0))
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle("llama", prompts, outputs, budgets)
+    for seq, budget in zip(outputs, budgets):
+        generated = 1
+        for chosen, accepted in zip(seq.chosen_k, seq.accepted_k):
+            assert chosen == min(4, budget - generated - 1)
+            generated += accepted + 1

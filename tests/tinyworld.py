@@ -20,6 +20,7 @@ from transformers import (
 
 from batchspec.drafters import Draft, Drafter, Picker, pick_argmax
 from batchspec.sequence import Sequence
+from batchspec.speculation import RoundPlan, Speculation
 
 WORDS = (
     "the a of to and in is it you that he was for on are with as his they be at one have this from or "
@@ -171,3 +172,52 @@ class ScriptedCosts:
 
     def observe(self, rows: int, width: int, steps: int, draft_s: float, verify_s: float, other_s: float) -> None:
         self.observed.append((rows, width, steps))
+
+
+class ScheduledSpeculation(Speculation):
+    """A speculation policy for tests: round r drafts schedule[r] steps (cycled; 0 is a plain decoding
+    step) and row b of request i verifies at most caps[i % len(caps)] of them, so rounds without
+    drafts, speculative rounds and rows of different lengths within a round come exactly as a test
+    wants them."""
+
+    def __init__(self, schedule: list[int], caps: list[int] | None = None) -> None:
+        self.schedule, self.caps = schedule, caps
+        self.round = 0
+        self.seqs: list[Sequence] = []
+        self.steps = 0
+
+    def plan(self, seqs: list[Sequence]) -> RoundPlan:
+        steps = self.schedule[self.round % len(self.schedule)]
+        self.round += 1
+        self.seqs = seqs
+        self.steps = max(0, min(steps, max(s.remaining for s in seqs) - 1))  # what the last round planned
+        return RoundPlan(self.steps)
+
+    def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
+        if self.caps is None:
+            return draft
+        return draft.capped(torch.tensor([self.caps[s.index % len(self.caps)] for s in self.seqs]))
+
+
+class LengthsDrafter(Drafter):
+    """Proposes the target's known greedy continuation in every slot, padding included, but declares
+    only lengths[i % len(lengths)] of them for request i: padding the target would accept, so only
+    acceptance's per-row cap keeps a row from taking more than it proposed."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], lengths: list[int]) -> None:
+        self.continuations, self.lengths = continuations, lengths
+
+    def add(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def drop(self, keep: list[bool]) -> list[int]:
+        return []
+
+    def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
+        rows = []
+        for s in seqs:
+            truth = self.continuations[tuple(s.prompt_ids)]
+            start = len(s.generated)
+            rows.append([truth[start + j] if start + j < len(truth) else 3 for j in range(k)])
+        lengths = torch.tensor([min(k, self.lengths[s.index % len(self.lengths)]) for s in seqs])
+        return Draft(torch.tensor(rows, dtype=torch.long).view(len(seqs), k), None, lengths)

@@ -1,10 +1,22 @@
-"""`method[+scheduler]@batch` specs: what a bench run compares, one entry per measured column."""
+"""Method specs: what a bench run compares, one entry per measured column.
+
+    method[+option...][@batch]
+
+options, in any order, each kind at most once:
+    static | continuous | pool    the scheduler (default: the method's own)
+    chunkN                        chunked prefill, N prompt tokens a step (continuous scheduler)
+    kN                            at most N drafts per row and round (default: --num-draft-tokens)
+    fixed | adaptive              the speculation policy (default: fixed)
+    model | ngram | hybrid        the drafter (default: model)
+e.g. ragged+k3@1, ragged+adaptive@4, ragged+ngram@1, ragged+ngram+adaptive@1, ragged+hybrid+adaptive@8.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
-from ..config import BatchspecError
+from ..config import DRAFTERS, SPECULATION, BatchspecError
 from ..methods import METHODS, SCHEDULERS
 
 HF_PLAIN = "hf"
@@ -13,17 +25,31 @@ BASELINES = (HF_PLAIN, HF_ASSISTED)
 # engine methods, the deliberately wrong ones included: they put the "fast but wrong" plot to work
 KNOWN = (*METHODS, *BASELINES)
 DEFAULT_METHODS = "ar@1,ar,eqspec,ragged"
+SYNTAX_HELP = (
+    "comma-separated method[+option...][@batch]. Methods: ar, eqspec, ragged, exspec, hf (transformers generate, "
+    "batched greedy), hf-assisted (generate with the drafter, batch 1 only), and the deliberately wrong naive-kv, "
+    "naive-positions, naive-bonus. Options, any order: a scheduler (static, continuous, pool), chunkN (chunked "
+    "prefill of N tokens), kN (at most N drafts per row and round; default --num-draft-tokens), fixed or adaptive "
+    "(speculation policy; default fixed), model, ngram or hybrid (drafter; default model). E.g. "
+    "ar@1,ragged+k1@1,ragged+k3@1,ragged+adaptive@1,ragged+ngram@1,ragged+hybrid+adaptive@1,eqspec@4,hf@4,"
+    "hf-assisted@1. Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base)."
+)
+_NUMBERED = re.compile(r"(chunk|k)(\d+)")
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     """One measured configuration. `method` is an engine method or an HF baseline; `scheduler`
-    None means the method's default (as in `generate`); HF baselines have none."""
+    None means the method's default (as in `generate`); HF baselines have none. `num_draft_tokens`
+    None: the bench's --num-draft-tokens."""
 
     method: str
     batch_size: int
     scheduler: str | None = None
     prefill_chunk: int | None = None  # continuous scheduler: max_prefill_tokens (None: whole prompts)
+    num_draft_tokens: int | None = None
+    speculation: str = "fixed"
+    drafter: str = "model"
 
     def __post_init__(self) -> None:
         if self.scheduler is None and self.method in METHODS:
@@ -31,12 +57,20 @@ class MethodSpec:
 
     @property
     def family(self) -> str:
-        """The label without the batch size: one line per family in the throughput plot. The
-        scheduler is named only where it is not the method's default."""
-        name = self.method
+        """The label without the batch size: one line per family in the throughput plot. Options
+        are named only where they are not the default."""
+        parts = [self.method]
         if self.method in METHODS and self.scheduler != METHODS[self.method].default_scheduler:
-            name += f"+{self.scheduler}"
-        return name if self.prefill_chunk is None else f"{name}+chunk{self.prefill_chunk}"
+            parts.append(str(self.scheduler))
+        if self.prefill_chunk is not None:
+            parts.append(f"chunk{self.prefill_chunk}")
+        if self.num_draft_tokens is not None:
+            parts.append(f"k{self.num_draft_tokens}")
+        if self.drafter != "model":
+            parts.append(self.drafter)
+        if self.speculation != "fixed":
+            parts.append(self.speculation)
+        return "+".join(parts)
 
     @property
     def name(self) -> str:
@@ -51,23 +85,61 @@ class MethodSpec:
     def speculative(self) -> bool:
         return self.method != HF_PLAIN and (self.method not in METHODS or METHODS[self.method].speculative)
 
+    @property
+    def needs_draft_model(self) -> bool:
+        return self.speculative and self.drafter != "ngram"
+
 
 BASELINE_SPEC = MethodSpec("ar", 1)
 
 
-def _parse_one(item: str, batch_sizes: list[int]) -> list[MethodSpec]:
-    head, at, size = item.partition("@")
-    method, plus, scheduler_name = head.partition("+")
-    scheduler = scheduler_name if plus else None
-    if method not in KNOWN:
-        raise BatchspecError(f"unknown method {method!r} in {item!r}; choose one of {', '.join(KNOWN)}")
-    if scheduler is not None and method in BASELINES:
-        raise BatchspecError(f"{method} has no scheduler choice ({item!r})")
-    if scheduler is not None and scheduler not in SCHEDULERS:
-        raise BatchspecError(f"unknown scheduler {scheduler!r} in {item!r}; choose one of {', '.join(SCHEDULERS)}")
+def _options(item: str, method: str, words: list[str]) -> dict:
+    """The keyword arguments of MethodSpec that `words` (the +options of `item`) set."""
+    chosen: dict[str, object] = {}
+
+    def put(kind: str, key: str, value: object) -> None:
+        if key in chosen:
+            raise BatchspecError(f"two {kind} options in {item!r}")
+        chosen[key] = value
+
+    for word in words:
+        numbered = _NUMBERED.fullmatch(word)
+        if word in SCHEDULERS:
+            put("scheduler", "scheduler", word)
+        elif word in SPECULATION:
+            put("speculation", "speculation", word)
+        elif word in DRAFTERS:
+            put("drafter", "drafter", word)
+        elif numbered:
+            put(numbered[1], "prefill_chunk" if numbered[1] == "chunk" else "num_draft_tokens", int(numbered[2]))
+        else:
+            raise BatchspecError(f"unknown option {word!r} in {item!r}; use a scheduler ({', '.join(SCHEDULERS)}), "
+                                 f"chunkN, kN, {' or '.join(SPECULATION)}, or a drafter ({', '.join(DRAFTERS)})")
+    if method in BASELINES and chosen:
+        raise BatchspecError(f"{method} takes no options ({item!r})")
+    speculative = method in METHODS and METHODS[method].speculative
+    if not speculative and chosen.keys() & {"num_draft_tokens", "speculation", "drafter"}:
+        raise BatchspecError(f"{method} does not draft: kN, {'/'.join(SPECULATION)} and drafters do not apply ({item!r})")
+    scheduler = chosen.get("scheduler")
     if scheduler is not None and scheduler not in METHODS[method].schedulers:
         raise BatchspecError(f"{method} supports the {' and '.join(METHODS[method].schedulers)} scheduler(s), "
                              f"not {scheduler} ({item!r})")
+    if "prefill_chunk" in chosen:
+        if (scheduler or METHODS[method].default_scheduler) != "continuous":
+            raise BatchspecError(f"chunked prefill needs the continuous scheduler ({item!r})")
+        if chosen["prefill_chunk"] < 1:
+            raise BatchspecError(f"chunkN needs N >= 1 ({item!r})")
+    if chosen.get("num_draft_tokens") == 0:
+        raise BatchspecError(f"kN needs N >= 1 ({item!r})")
+    return chosen
+
+
+def _parse_one(item: str, batch_sizes: list[int]) -> list[MethodSpec]:
+    head, at, size = item.partition("@")
+    method, *words = head.split("+")
+    if method not in KNOWN:
+        raise BatchspecError(f"unknown method {method!r} in {item!r}; choose one of {', '.join(KNOWN)}")
+    options = _options(item, method, words)
     if at:
         try:
             sizes = [int(size)]
@@ -80,18 +152,19 @@ def _parse_one(item: str, batch_sizes: list[int]) -> list[MethodSpec]:
         sizes = [1] if method == HF_ASSISTED else batch_sizes
     if any(b < 1 for b in sizes):
         raise BatchspecError(f"batch size must be >= 1 in {item!r}")
-    return [MethodSpec(method, b, scheduler) for b in sizes]
+    return [MethodSpec(method, b, **options) for b in sizes]
 
 
 def parse_methods(text: str, batch_sizes: list[int], prefill_chunks: list[int | None] | None = None) -> list[MethodSpec]:
     """Specs in the order given, duplicates dropped; `ar@1` is added first when missing because
-    every speedup is measured against it. Methods on the continuous scheduler run once per entry of
-    `prefill_chunks` (None: whole prompts; N: chunked prefill of N tokens a step)."""
+    every speedup is measured against it. Methods on the continuous scheduler without their own
+    chunkN run once per entry of `prefill_chunks` (None: whole prompts; N: chunked prefill of N
+    tokens a step)."""
     specs: list[MethodSpec] = []
     for item in (part.strip() for part in text.split(",")):
         if item:
             for spec in _parse_one(item, batch_sizes):
-                if spec.scheduler == "continuous":
+                if spec.scheduler == "continuous" and spec.prefill_chunk is None:
                     specs.extend(replace(spec, prefill_chunk=chunk) for chunk in prefill_chunks or [None])
                 else:
                     specs.append(spec)

@@ -15,6 +15,7 @@ from ..config import BatchspecError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.text import Annotation
 
 PHASES = ("prefill", "draft", "verify", "other")
 
@@ -40,9 +41,8 @@ def write_plots(directory: str | Path, entries: list[dict[str, Any]], title: str
     paths = [out / "throughput_vs_batch.png", out / "fast_but_wrong.png", out / "time_breakdown.png"]
     for path, draw in zip(paths, (_throughput, _fast_but_wrong, _breakdown)):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-        draw(ax, ok)
         fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
+        draw(ax, ok)  # settles the layout itself: labels are placed in the final coordinates
         fig.savefig(path)
         plt.close(fig)
     return paths
@@ -62,21 +62,65 @@ def _throughput(ax: Axes, entries: list[dict[str, Any]]) -> None:
     ax.set_ylabel("generated tokens/s (end to end)")
     ax.set_title("Throughput vs batch size")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    ax.figure.tight_layout()
 
 
 def _fast_but_wrong(ax: Axes, entries: list[dict[str, Any]]) -> None:
-    for n, e in enumerate(sorted(entries, key=lambda e: e["tokens_per_s"])):
-        exact = 100 * (e["exact_match"] or 0.0)
-        ax.scatter(e["tokens_per_s"], exact, s=40)
-        # alternate label offsets: exact methods all sit on the 100% line and would overprint
-        ax.annotate(e["method"], (e["tokens_per_s"], exact), textcoords="offset points",
-                    xytext=(4, 5 if n % 2 == 0 else -11), fontsize=7)
+    points = [(e["tokens_per_s"], 100 * (e["exact_match"] or 0.0)) for e in entries]
+    ax.scatter([x for x, _ in points], [y for _, y in points], s=30, zorder=3)
     ax.set_xlabel("generated tokens/s (end to end)")
     ax.set_ylabel("exact match vs plain greedy (%)")
     ax.set_ylim(-5, 105)
     ax.set_title("Fast but wrong? Throughput vs exactness")
     ax.grid(alpha=0.3)
+    ax.figure.tight_layout()
+    place_labels(ax, points, [e["method"] for e in entries])
+
+
+LABEL_STEP = 11  # points between stacked labels (7-point text)
+MARKER_PIXELS = 5  # half the size of a marker: labels keep off every point, not only off each other
+
+
+def _label_spots(count: int) -> list[tuple[int, int]]:
+    """Offsets (points) to try for a label: up-right of its point, then stepping away below and
+    above alternately, then the same on the left."""
+    right = [(5, 4)] + [(5, 4 + sign * LABEL_STEP * i) for i in range(1, count + 1) for sign in (-1, 1)]
+    return right + [(-dx, dy) for dx, dy in right]
+
+
+def place_labels(ax: Axes, points: list[tuple[float, float]], labels: list[str]) -> list[Annotation]:
+    """Label each point so that no two labels overlap and all stay inside the axes: many correct
+    methods share the 100% line at similar speeds, where fixed offsets print labels on top of each
+    other. Each label takes the first free spot of `_label_spots`; one moved off its point gets a
+    leader line. Markers count as taken space too. Call once the figure's layout is final (positions
+    are checked in display space)."""
+    from matplotlib.transforms import Bbox
+
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    pad = MARKER_PIXELS
+    taken = [Bbox.from_extents(x - pad, y - pad, x + pad, y + pad) for x, y in ax.transData.transform(points)]
+    placed = []
+    order = sorted(range(len(points)), key=lambda i: (-points[i][1], points[i][0]))
+    for i in order:
+        spots = _label_spots(len(points))
+        for spot in spots:
+            label = ax.annotate(labels[i], points[i], textcoords="offset points", xytext=spot, fontsize=7,
+                                ha="left" if spot[0] > 0 else "right", va="center")
+            box = label.get_window_extent(renderer)
+            free = not any(box.overlaps(other) for other in taken)
+            if free and frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1) or spot == spots[-1]:
+                break
+            label.remove()
+        if spot != spots[0]:
+            label.remove()
+            label = ax.annotate(labels[i], points[i], textcoords="offset points", xytext=spot, fontsize=7,
+                                ha="left" if spot[0] > 0 else "right", va="center",
+                                arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6, "shrinkA": 0, "shrinkB": 2})
+        taken.append(box)
+        placed.append(label)
+    return placed
 
 
 def _breakdown(ax: Axes, entries: list[dict[str, Any]]) -> None:
@@ -90,4 +134,7 @@ def _breakdown(ax: Axes, entries: list[dict[str, Any]]) -> None:
     ax.set_ylabel("wall time (s)")
     ax.set_title("Where the time went (HF baselines have no breakdown)")
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    for tick in ax.get_xticklabels():
+        tick.set_horizontalalignment("right")
     ax.legend(fontsize=8)
+    ax.figure.tight_layout()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import transformers
 
+from ..costs import MeasuredCosts, break_even, cpu_model
 from ..forensics.compare import FP_TIE, SYNC_ERROR
 from .exactness import Match
 from .methods import BASELINE_SPEC
@@ -35,7 +36,7 @@ NOISE_NOTE = (
 def machine_info(dtype: str, draft_dtype: str | None, device: str) -> dict[str, Any]:
     """Enough of the machine to tell whether two bench runs are comparable at all."""
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -48,16 +49,6 @@ def machine_info(dtype: str, draft_dtype: str | None, device: str) -> dict[str, 
         "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else None,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
@@ -109,6 +100,7 @@ def figures(
         "divergent": len(divergent),
         "fp_ties": divergent.count(FP_TIE),
         "sync_errors": divergent.count(SYNC_ERROR),
+        **_chosen(rows[i] for i in ok),
     }
     if timing is not None:
         decode = timing.wall - timing.prefill
@@ -129,6 +121,19 @@ def figures(
     return out
 
 
+def _chosen(rows: Iterable[RowResult]) -> dict[str, Any]:
+    """How many drafts rows verified per round (K: row-rounds), and the share of row-rounds where the
+    policy verified fewer than the drafter proposed."""
+    chosen: dict[int, int] = {}
+    declined = total = 0
+    for r in rows:
+        for k, offered in zip(r.chosen_k, r.proposed_k):
+            chosen[k] = chosen.get(k, 0) + 1
+            declined += k < offered
+            total += 1
+    return {"chosen_k": {str(k): chosen[k] for k in sorted(chosen)}, "declined_share": _ratio(declined, total, 4)}
+
+
 def _speedups(entry: dict[str, Any], base: dict[str, Any] | None) -> None:
     if base is None:
         return
@@ -146,6 +151,9 @@ def build_report(results: list[MethodResult], prompts: list[BenchPrompt]) -> lis
         entry: dict[str, Any] = {
             "method": res.spec.name, "family": res.spec.family, "algorithm": res.spec.method,
             "batch_size": res.spec.batch_size, "scheduler": res.spec.scheduler, "error": res.error,
+            "speculation": res.spec.speculation if res.spec.speculative else None,
+            "drafter": res.spec.drafter if res.spec.speculative else None,
+            "num_draft_tokens": res.spec.num_draft_tokens,
         }
         if res.error is None:
             total: Timing = reduce(operator.add, res.timings.values())
@@ -241,6 +249,10 @@ def render_tables(entries: list[dict[str, Any]]) -> str:
         parts += ["", "Per task group", format_table(
             ["method", "group", "tok/s", "speedup", "acc len", "acc rate", "exact", "exact %", "fp ties", "sync err"],
             rows)]
+    drafting = [e for e in ok if e["speculation"] is not None and not e["algorithm"].startswith("hf")]
+    if drafting:
+        parts += ["", "Chosen K: share of row-rounds verifying K drafts (K=0: a plain decoding step for that row); "
+                  "declined: share where fewer were verified than the drafter proposed", _chosen_table(drafting)]
     pooled = [e for e in ok if e.get("grouping_rate") is not None]
     if pooled:
         parts += ["", "EXSPEC grouping (rounds served by a same-length group, no padding)", format_table(
@@ -254,6 +266,41 @@ def render_tables(entries: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
+def _chosen_table(entries: list[dict[str, Any]]) -> str:
+    top = max((int(k) for e in entries for k in e["chosen_k"]), default=0)
+    rows = []
+    for e in entries:
+        for group, fig in [*e.get("groups", {}).items(), (ALL, e)]:
+            total = sum(fig["chosen_k"].values())
+            shares = [_fmt(fig["chosen_k"].get(str(k), 0) / total, "%") if total else "-" for k in range(top + 1)]
+            rows.append([e["method"], str(group), *shares, _fmt(fig["declined_share"], "%")])
+    return format_table(["method", "group", *(f"K={k}" for k in range(top + 1)), "declined"], rows)
+
+
+def render_costs(costs: MeasuredCosts, rows: list[int], max_drafts: int) -> str:
+    """The cost model as a user reads it: measured forward times, and the acceptance rate each K needs
+    to beat plain decoding at each batch size (below it adaptive speculation verifies fewer drafts)."""
+    lines = [f"Cost model ({costs.source}; online scale: verify {costs.verify_scale:.2f}, "
+             f"draft {costs.draft_scale:.2f}, overhead {costs.overhead() * 1e3:.1f} ms/round)"]
+    tokens = sorted({1, 2, max_drafts + 1, *costs.verify.tokens})
+    lines.append(format_table(
+        ["target forward (ms)", *(f"{n} tok/row" for n in tokens)],
+        ([f"{r} rows", *(f"{costs.verify_time(r, n) * 1e3:.1f}" for n in tokens)] for r in rows)))
+    if costs.draft is not None:
+        lines += ["", format_table(
+            ["drafter step (ms)", "1 tok/row", "2 tok/row"],
+            ([f"{r} rows", f"{costs.draft_time(r, 1) * 1e3:.1f}", f"{costs.draft_time(r, 2) * 1e3:.1f}"] for r in rows))]
+    lines += ["", "Break-even acceptance per draft: K drafts per row beat plain decoding only above it", format_table(
+        ["batch", *(f"K={k}" for k in range(1, max_drafts + 1))],
+        ([str(r), *(_even(costs, r, k) for k in range(1, max_drafts + 1))] for r in rows))]
+    return "\n".join(lines)
+
+
+def _even(costs: MeasuredCosts, rows: int, k: int) -> str:
+    rate = break_even(costs, rows, k)
+    return "never" if rate is None else _fmt(rate, "%")
+
+
 # ---- files --------------------------------------------------------------------------------------
 CSV_FIELDS = [
     "method", "group", "batch_size", "scheduler", "error", "prompts", "errors", "generated_tokens", "wall_s",
@@ -263,13 +310,16 @@ CSV_FIELDS = [
     "latency_p50_s", "latency_p90_s", "latency_p99_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
     "itl_p50_s", "itl_p90_s", "itl_p99_s",
     "exact_matches", "exact_match", "partial_match", "divergent", "sync_errors", "fp_ties",
+    "speculation", "drafter", "declined_share", "chosen_k",
 ]
 
 
 def _flat(entry: dict[str, Any], fig: dict[str, Any], group: str) -> dict[str, Any]:
     row = {k: fig.get(k) for k in CSV_FIELDS if k in fig}
     row.update(method=entry["method"], group=group, error=entry["error"])
-    row.update(batch_size=entry["batch_size"], scheduler=entry["scheduler"])
+    row.update(batch_size=entry["batch_size"], scheduler=entry["scheduler"], speculation=entry["speculation"],
+               drafter=entry["drafter"])
+    row["chosen_k"] = " ".join(f"{k}:{n}" for k, n in fig.get("chosen_k", {}).items())
     for k, v in (fig.get("time_share") or {}).items():
         row[f"share_{k}"] = v
     for name in ("latency", "ttft", "itl"):

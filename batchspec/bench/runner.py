@@ -45,6 +45,8 @@ class RowResult:
     accepted: int = 0
     error: str | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between the row's successive emissions
+    chosen_k: list[int] = field(default_factory=list)  # drafts verified per round (0: speculation declined)
+    proposed_k: list[int] = field(default_factory=list)  # drafts the drafter proposed per round
 
 
 def emission_gaps(token_times: Sequence[float]) -> list[float]:
@@ -114,7 +116,8 @@ def run_engine(
 ) -> tuple[list[RowResult], Timing]:
     """`template` carries what every method shares (K, window, budgets); `spec` what this one is."""
     config = replace(template, method=spec.method, batch_size=spec.batch_size, scheduler=spec.scheduler,
-                     max_prefill_tokens=spec.prefill_chunk)
+                     max_prefill_tokens=spec.prefill_chunk, speculation=spec.speculation, drafter=spec.drafter,
+                     num_draft_tokens=spec.num_draft_tokens or template.num_draft_tokens)
     llm = LLM(spec=config, models=models)  # prompts arrive encoded
     rows: dict[int, RowResult] = {}
     with _bar(len(prompts), desc) as bar:
@@ -125,6 +128,7 @@ def run_engine(
                 out.token_ids, out.time_to_first_token, out.latency,
                 rounds=out.rounds, round_tokens=max(n - 1, 0),  # the first token comes from prefill
                 drafted=out.drafted, accepted=out.accepted, error=out.error, gaps=emission_gaps(out.token_times),
+                chosen_k=out.chosen_k, proposed_k=out.proposed_k,
             )
             bar.update(1)
         wall = time.perf_counter() - start

@@ -13,12 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..bench.exactness import AuditClassifier
-from ..bench.methods import DEFAULT_METHODS, parse_batch_sizes, parse_methods, parse_prefill_chunks
+from ..bench.methods import DEFAULT_METHODS, SYNTAX_HELP, parse_batch_sizes, parse_methods, parse_prefill_chunks
 from ..bench.plots import write_plots
-from ..bench.report import NOISE_NOTE, build_report, machine_info, render_tables, write_csv
+from ..bench.report import NOISE_NOTE, build_report, machine_info, render_costs, render_tables, write_csv
 from ..bench.runner import ALL, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
-from ..config import BatchspecError, SamplingParams, SpecConfig
+from ..config import NGRAM, BatchspecError, SamplingParams, SpecConfig
+from ..costs import measured_costs
 from ..forensics.oracle import Oracle
 from ..kv import context_limit
 from ..models import ModelPair, eos_token_ids
@@ -34,7 +35,7 @@ from .common import (
 )
 
 DEFAULT_NUM_PROMPTS = 12  # two per SpecBench task group: a quick look, not the protocol
-SHARED_SPEC_FIELDS = ("num_draft_tokens", "window_size", "sort_by_length", "max_kv_slots")
+SHARED_SPEC_FIELDS = ("num_draft_tokens", "window_size", "sort_by_length", "max_kv_slots", "ngram_min", "ngram_max")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,11 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--per-category", type=int, help="this many prompts from every task group")
     g.add_argument("--max-prompt-tokens", type=int, help="skip prompts longer than this many tokens (before selecting)")
     g = p.add_argument_group("methods")
-    g.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated method[+scheduler][@batch]: ar, eqspec, "
-                   "ragged, exspec, hf (transformers generate, batched greedy), hf-assisted (generate with the "
-                   "drafter, batch 1 only), and the deliberately wrong naive-kv, naive-positions, naive-bonus; "
-                   "e.g. ar@1,ar@4,eqspec@4,ragged@4,ragged+continuous@4,hf@4,hf-assisted@1. "
-                   "Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base).")
+    g.add_argument("--methods", default=DEFAULT_METHODS, help=SYNTAX_HELP)
     g.add_argument("--batch-sizes", default="4", help="comma-separated batch sizes for methods given without @batch")
     g.add_argument("--prefill-chunks", default="0", help="comma-separated max prefill tokens per step for methods on "
                    "the continuous scheduler, each run once per value (0 = whole prompts); e.g. 0,64 compares "
@@ -60,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # what every method shares; method, batch size and scheduler come from --methods
     add_config_arguments(p, SpecConfig, "speculation (all methods)", only=SHARED_SPEC_FIELDS)
     add_sampling_arguments(p)
+    g = p.add_argument_group("cost model (adaptive speculation)")
+    g.add_argument("--costs", action="store_true", help="print the measured cost model (forward times by rows and "
+                   "tokens, and the acceptance each K needs to beat plain decoding), measuring it first if needed")
+    g.add_argument("--recalibrate", action="store_true", help="measure the cost model anew instead of using the "
+                   "cached one (run on a quiet machine: adaptive speculation decides on it)")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure and the machine description here")
     g.add_argument("--csv", help="write one line per method (and per method and task group) here")
@@ -107,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     speculative = any(s.speculative for s in specs)
     template = config_from_args(SpecConfig, args, method="ragged" if speculative else "ar")
     config_from_args(SamplingParams, args)
-    models = load_models(args, need_draft=speculative)
+    if args.draft == NGRAM:  # no drafter model: every speculative method drafts by prompt lookup
+        specs = [replace(s, drafter=NGRAM) if s.speculative and s.drafter == "model" else s for s in specs]
+    models = load_models(args, need_draft=any(s.needs_draft_model for s in specs))
     prompts, prompt_info = _choose_prompts(args, models)
     prompts = [replace(p, params=sp) for p, sp in zip(prompts, params_for(args, len(prompts)))]
     stop_ids = eos_token_ids(models.target, models.tokenizer)
@@ -118,6 +122,15 @@ def run(args: argparse.Namespace) -> int:
     )
 
     warm_up(models, prompts[0].token_ids)
+    costs_text = None
+    if args.costs or args.recalibrate or any(s.speculation == "adaptive" for s in specs):
+        # once, for the largest round any method runs, so no method pays for a calibration
+        rows = max(s.batch_size for s in specs)
+        most = max(s.num_draft_tokens or template.num_draft_tokens for s in specs)
+        costs = measured_costs(models.target, models.draft, rows, most, fresh=args.recalibrate)
+        costs_text = render_costs(costs, sorted({1, *(s.batch_size for s in specs)}), most)
+        if args.costs:
+            print(costs_text + "\n", flush=True)  # before the (long) runs: why adaptive methods choose their K
     oracle = Oracle(models.target, prompts[0].params, stop_ids)
     oracle.precompute([p.token_ids for p in prompts], [p.params for p in prompts], desc="oracle (plain decoding, batch 1)")
     classify = AuditClassifier(models, oracle, [p.token_ids for p in prompts], [p.params for p in prompts])
@@ -143,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             "settings": {
                 "target": args.target or "bundled", "draft": args.draft or "bundled",
                 "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+                "speculation_default": "fixed (adaptive where a method says +adaptive)",
                 "methods": [s.name for s in specs], "suite": args.suite,
                 "runs": "per task group" if by_group else "all prompts at once",
                 **{name: getattr(template, name) for name in SHARED_SPEC_FIELDS},
@@ -150,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 "hf_assisted": "constant schedule of num_draft_tokens drafts per round, no confidence cut-off",
             },
             "prompts": prompt_info,
+            "costs": costs_text,
             "auditor": classify.describe(),
             "note": NOISE_NOTE,
             "methods": entries,

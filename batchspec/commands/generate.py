@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from collections import Counter
 import json
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import BatchspecError, SamplingParams, SpecConfig
+from ..config import BatchspecError, SamplingParams, SpecConfig, resolve_drafter
 from ..engine import EngineStats
 from ..llm import LLM, RequestOutput
 from ..prompts import PromptRecord, load_prompts
@@ -24,6 +25,7 @@ from .common import (
     add_sampling_arguments,
     load_models,
     make_llm,
+    model_config,
     params_for,
     positive_int,
     config_from_args,
@@ -62,6 +64,8 @@ def summarize(outputs: list[RequestOutput], wall: float) -> dict:
         # tokens each row gains per verification round (the first token comes from prefill)
         "mean_accepted_length": round((generated - len(ok)) / rounds, 3) if rounds else None,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        # row-rounds by drafts verified: K=0 is a plain decoding step for that row
+        "chosen_k": {str(k): n for k, n in sorted(Counter(k for o in ok for k in o.chosen_k).items())},
     }
 
 
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--output is the --prompts file ({args.prompts}): writing it would destroy the prompts")
     if args.resume:
         _check_resumable(args, records)
-    spec = config_from_args(SpecConfig, args)
+    spec = resolve_drafter(model_config(args), config_from_args(SpecConfig, args))
     params = params_for(args, len(records))  # validated before the (slow) model loading
     # the output is opened (path checked, lock taken) before any decoding, so a bad path costs nothing
     with ResumableOutput(args.output, args.resume) if args.output else contextlib.nullcontext() as output:
@@ -157,7 +161,7 @@ def _decode(
     readable = [i for i in todo if records[i].error is None]
     if not readable:
         return decoded
-    models = load_models(args, need_draft=spec.speculative)
+    models = load_models(args, need_draft=spec.needs_draft_model)
     decoded.llm = make_llm(args, models, spec)
     encode = prompt_encoder(args, models)
     ids: dict[int, list[int]] = {}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import BatchspecError, SamplingParams, SpecConfig
+from ..config import BatchspecError, SamplingParams, SpecConfig, resolve_drafter
 from ..distribution import compare_positions, exact_rejection_check
 from ..engine import Engine
 from ..methods import build_engine
@@ -33,6 +33,7 @@ from .common import (
     finite_float,
     load_models,
     make_llm,
+    model_config,
     positive_int,
     add_sampling_arguments,
     config_from_args,
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if params.greedy:
         raise BatchspecError("--temperature 0 is greedy: use `batchspec generate --verify` for exact matches")
     exact = _exact_results()
-    spec = config_from_args(SpecConfig, args)
+    spec = resolve_drafter(model_config(args), config_from_args(SpecConfig, args))
     plain_spec = config_from_args(SpecConfig, args, method="ar", scheduler="static")
     seed = args.generator_seed
     if args.prompts:
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     texts = texts[: args.limit]
     if not texts:
         raise BatchspecError("no usable prompts")
-    models = load_models(args, need_draft=True)
+    models = load_models(args, need_draft=spec.needs_draft_model)
     llm = make_llm(args, models, spec)
     rows, drafted, accepted = [], 0, 0
     for n, text in enumerate(texts):
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "config": {
             "method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "batch_size": spec.batch_size,
+            "speculation": spec.speculation, "drafter": spec.drafter,
             "samples": args.samples, "positions": args.positions, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "generator_seed": seed, "alpha": args.alpha,
             "prompts": texts,
