@@ -45,6 +45,7 @@ BINS = 10  # confidence bins; one more for drafts without a confidence (n-gram p
 NO_CONFIDENCE = BINS
 SAMPLED, FORCED = 0, 1  # a draft drawn from the drafter's distribution, or proposed deterministically
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind every prior, so a few outcomes move an estimate
+ROW_PRIOR = 1.0  # ... behind a row's correction factor (1 when nothing is known): rows differ a lot
 POSITION_PRIOR = 0.6  # acceptance expected of a draft before anything is known
 LOOKUP_PRIOR = 0.5  # ... of a draft without a confidence
 GLOBAL_DECAY = 0.998  # per round: calibration follows drift over a few hundred rounds
@@ -150,7 +151,7 @@ class AcceptanceModel:
         history = self._history(seqs)
         hits = torch.stack([h.hits.sum() for h in history])
         expected = torch.stack([h.expected.sum() for h in history])
-        factor = (hits + PRIOR_WEIGHT) / (expected + PRIOR_WEIGHT)
+        factor = (hits + ROW_PRIOR) / (expected + ROW_PRIOR)
         return (self._table(cells) * factor).clamp(0.0, MAX_ACCEPTANCE)
 
     def record(self, seqs: list[Sequence], lengths: torch.Tensor, accepted: torch.Tensor,

@@ -134,6 +134,93 @@ def test_parse_methods() -> None:
         parse_batch_sizes("1,zero")
 
 
+def test_parse_method_options() -> None:
+    specs = parse_methods("ragged+k3@1,ragged+adaptive@4,ragged+ngram@1,ragged+ngram+adaptive@1,"
+                          "ragged+adaptive+hybrid+static+k2@8,ragged+chunk16@2,ragged+fixed+model@1", [4], [None, 8])
+    assert [s.name for s in specs] == [
+        "ar@1", "ragged+k3@1", "ragged+chunk8+k3@1", "ragged+adaptive@4", "ragged+chunk8+adaptive@4", "ragged+ngram@1",
+        "ragged+chunk8+ngram@1", "ragged+ngram+adaptive@1", "ragged+chunk8+ngram+adaptive@1",
+        "ragged+static+k2+hybrid+adaptive@8", "ragged+chunk16@2", "ragged@1", "ragged+chunk8@1",
+    ]
+    assert specs[9] == MethodSpec("ragged", 8, "static", None, 2, "adaptive", "hybrid")
+    assert not specs[5].needs_draft_model and specs[9].needs_draft_model
+    for bad, message in (("ar+k3@1", "does not draft"), ("hf+adaptive@2", "takes no options"),
+                         ("ragged+k0@1", "N >= 1"), ("ragged+static+continuous@1", "two scheduler"),
+                         ("ragged+ngram+model@1", "two drafter"), ("ragged+fast@1", "unknown option 'fast'"),
+                         ("eqspec+chunk4@2", "continuous scheduler")):
+        with pytest.raises(BatchspecError, match=message):
+            parse_methods(bad, [1])
+
+
+def test_bench_compares_speculation_policies_and_drafters(tiny_pair_dirs, tmp_path, capsys) -> None:
+    """K per method, adaptive speculation, prompt lookup and the hybrid drafter side by side: all exact,
+    with the cost model printed and a chosen-K histogram per task group."""
+    target, draft = tiny_pair_dirs
+    report_path, csv_path = tmp_path / "report.json", tmp_path / "report.csv"
+    methods = "ragged+k1@2,ragged+adaptive@2,ragged+ngram@2,ragged+ngram+adaptive@1,ragged+hybrid+adaptive@1"
+    assert main([
+        "bench", "--target", str(target), "--draft", str(draft), "--prompts", str(_prompts_file(tmp_path / "p.jsonl")),
+        "--suite", "specbench", "--methods", methods, "--max-new-tokens", "8", "-k", "3", "--costs",
+        "--ngram-min", "1", "--ngram-max", "2", "--json", str(report_path), "--csv", str(csv_path),
+    ]) == 2  # --suite reads SpecBench itself
+    capsys.readouterr()
+    assert main([
+        "bench", "--target", str(target), "--draft", str(draft), "--prompts", str(_prompts_file(tmp_path / "p.jsonl")),
+        "--methods", methods, "--max-new-tokens", "8", "-k", "3", "--costs", "--ngram-min", "1", "--ngram-max", "2",
+        "--json", str(report_path), "--csv", str(csv_path),
+    ]) == 0
+    stdout = capsys.readouterr().out
+    assert "Cost model" in stdout and "Break-even acceptance" in stdout and "Chosen K" in stdout
+    assert stdout.index("Cost model") < stdout.index("Speed")  # printed before the runs
+    report = json.loads(report_path.read_text())
+    by_name = {m["method"]: m for m in report["methods"]}
+    assert list(by_name) == ["ar@1", *methods.split(",")]
+    assert "Break-even" in report["costs"]
+    for name in methods.split(","):
+        entry = by_name[name]
+        assert entry["error"] is None and entry["exact_match"] == 1.0, (name, entry["divergences"])
+        assert sum(entry["chosen_k"].values()) > 0 and max(int(k) for k in entry["chosen_k"]) <= 3
+        assert set(entry["groups"]) == {"mt_bench", "qa", "translation"}
+        assert all("chosen_k" in fig for fig in entry["groups"].values())
+    assert by_name["ragged+k1@2"]["chosen_k"].keys() <= {"0", "1"}
+    assert by_name["ragged+adaptive@2"]["speculation"] == "adaptive" and by_name["ragged+ngram@2"]["drafter"] == "ngram"
+    rows = list(csv.DictReader(csv_path.open()))
+    assert all(r["chosen_k"] for r in rows if r["method"] != "ar@1")
+
+
+def test_fast_but_wrong_labels_never_overlap() -> None:
+    """Many exact methods at nearly the same speed on the 100% line: every label readable on its own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from batchspec.bench.plots import _fast_but_wrong
+
+    names = ["ar@1", "ar@4", "ragged+k1@1", "ragged+k3@1", "ragged+k5@1", "ragged+adaptive@1", "ragged+ngram@1",
+             "ragged+ngram+adaptive@1", "ragged+hybrid+adaptive@1", "eqspec@4", "exspec@4", "naive-kv@4",
+             "naive-bonus@4"]
+    entries = [{"method": n, "tokens_per_s": 2.0 + 0.01 * i, "exact_match": 0.0 if "naive" in n else 1.0}
+               for i, n in enumerate(names)]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    _fast_but_wrong(ax, entries)
+    renderer = fig.canvas.get_renderer()
+    labels = [t for t in ax.texts if t.get_text() in names]
+    def text_box(label):  # the text alone, without its leader line
+        probe = ax.annotate(label.get_text(), label.xy, textcoords="offset points", xytext=label.xyann,
+                            fontsize=label.get_fontsize(), ha=label.get_ha(), va=label.get_va())
+        box = probe.get_window_extent(renderer)
+        probe.remove()
+        return box
+
+    boxes = [text_box(t) for t in labels]
+    frame = ax.get_window_extent(renderer)
+    assert sorted(t.get_text() for t in labels) == sorted(names)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    assert all(frame.contains(b.x0, b.y0) and frame.contains(b.x1, b.y1) for b in boxes)
+    plt.close(fig)
+
+
 def test_compare_with_oracle() -> None:
     assert compare([1, 2, 3], [1, 2, 3]) == Match(True, 1.0, None)
     assert compare([1, 9, 3], [1, 2, 3, 4]) == Match(False, 0.25, 1)

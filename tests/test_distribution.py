@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from tinyworld import perturbed_copy, random_prompts
+from tinyworld import ScriptedCosts, perturbed_copy, random_prompts
 
 from batchspec import acceptance, sampling
 from batchspec.cli import main as cli_main
@@ -187,22 +187,39 @@ def engine_world() -> tuple[torch.nn.Module, torch.nn.Module, list[int]]:
     return target, perturbed_copy(target, 0.05, seed=1), random_prompts(1, [5], seed=3, vocab=96)[0]
 
 
-def engine_samples(method: str, seed: int) -> list[list[int]]:
+def engine_samples(method: str, seed: int, repeat: int = 1, **spec_fields) -> list[list[int]]:
+    """ENGINE_SAMPLES continuations of the world's prompt (said `repeat` times, so prompt lookup finds
+    matches); `spec_fields` choose speculation and drafter, adaptive speculation on scripted costs
+    that make its widths vary between 0 and K."""
     target, draft, prompt = engine_world()
-    spec = SpecConfig(method=method, num_draft_tokens=2, batch_size=128, generator_seed=seed)
-    engine = build_engine(target, spec, draft_model=draft if spec.speculative else None)
-    return [s.generated for s in engine.generate([prompt] * ENGINE_SAMPLES, ENGINE_PARAMS)]
+    spec = SpecConfig(method=method, num_draft_tokens=2, batch_size=128, generator_seed=seed, **spec_fields)
+    engine = build_engine(target, spec, draft_model=draft if spec.speculative else None,
+                          costs=ScriptedCosts(1.0, 0.0012, 0.02))
+    return [s.generated for s in engine.generate([prompt * repeat] * ENGINE_SAMPLES, ENGINE_PARAMS)]
 
 
 @lru_cache(maxsize=None)
-def plain_engine_samples() -> list[list[int]]:
-    return engine_samples("ar", seed=0)
+def plain_engine_samples(repeat: int = 1) -> list[list[int]]:
+    return engine_samples("ar", seed=0, repeat=repeat)
 
 
 @pytest.mark.parametrize("method, seed", [("ragged", 1), ("eqspec", 2)])
 def test_engine_chi_square_accepts_speculative_sampling(method, seed):
     results = compare_positions(plain_engine_samples(), engine_samples(method, seed), POSITIONS)
     assert min(r.p_value for r in results) > ALPHA / POSITIONS  # Bonferroni over positions
+
+
+@pytest.mark.parametrize("repeat, seed, fields", [
+    (1, 3, {"speculation": "adaptive"}),
+    (2, 4, {"drafter": "ngram", "ngram_min": 1, "ngram_max": 3}),
+    (2, 5, {"drafter": "hybrid", "speculation": "adaptive", "ngram_min": 1, "ngram_max": 3}),
+])
+def test_engine_chi_square_accepts_adaptive_speculation_and_prompt_lookup(repeat, seed, fields):
+    """Widths chosen per round from the drafter's confidence (sum(q^2) for these unseeded rows), and
+    deterministic n-gram drafts (q a point mass) inside and next to sampled ones, keep the target's
+    distribution."""
+    results = compare_positions(plain_engine_samples(repeat), engine_samples("ragged", seed, repeat, **fields), POSITIONS)
+    assert min(r.p_value for r in results) > ALPHA / POSITIONS
 
 
 @pytest.mark.parametrize("broken", BROKEN)
@@ -226,3 +243,8 @@ def test_verify_distribution_command(tiny_pair_dirs, tmp_path, capsys):
     data = json.loads(report.read_text())
     assert data["passed"] and data["exact"]["passed"] and len(data["chi_square"]["tests"]) == 6
     assert cli_main(args[:-2] + ["--method", "ar"]) == 2
+    for extra, field, value in ((["--speculation", "adaptive"], "speculation", "adaptive"),
+                                (["--draft", "ngram", "--ngram-min", "1", "--ngram-max", "2"], "drafter", "ngram")):
+        assert cli_main(args + extra) == 0
+        data = json.loads(report.read_text())
+        assert data["passed"] and data["config"][field] == value

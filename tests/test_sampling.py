@@ -10,7 +10,7 @@ from functools import lru_cache
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from tinyworld import ScriptedDrafter, perturbed_copy, random_prompts
+from tinyworld import ScriptedCosts, ScriptedDrafter, perturbed_copy, random_prompts
 
 from batchspec import acceptance, sampling
 from batchspec.cli import main as cli_main
@@ -59,8 +59,10 @@ def run(
     draft_model: torch.nn.Module | None = None,
     drafter: Drafter | None = None,
     seed: int | None = 0,
+    costs: ScriptedCosts | None = None,
 ) -> list[list[int]]:
-    engine = build_engine(target, replace(spec, generator_seed=seed), STOP, draft_model=draft_model, drafter=drafter)
+    engine = build_engine(target, replace(spec, generator_seed=seed), STOP, draft_model=draft_model, drafter=drafter,
+                          costs=costs)
     return [s.generated for s in engine.generate(prompts, params)]
 
 
@@ -198,6 +200,31 @@ def test_coupled_matches_plain_seeded_sampling_property(arch, layout, batch_size
     assert run(target, prompts, params, spec, draft_model=draft) == oracle(target, prompts, params)
 
 
+@settings(max_examples=20)
+@given(
+    arch=st.sampled_from(ARCHS),
+    layout=st.sampled_from([("ragged", "static"), ("eqspec", "static"), ("ragged", "continuous"), ("exspec", "pool")]),
+    drafter_kind=st.sampled_from(["model", "ngram", "hybrid"]),
+    costs=st.sampled_from([(1.0, 0.01, 0.01), (1.0, 0.1, 0.2), (1.0, 0.5, 3.0)]),
+    batch_size=st.integers(1, 4),
+    k=st.integers(1, 5),
+    temperature=st.floats(0.3, 1.5),
+    top_k=st.sampled_from([0, 3, 30]),
+    seed=st.integers(0, 2**40),
+)
+def test_coupled_is_exact_under_adaptive_speculation_and_prompt_lookup(arch, layout, drafter_kind, costs, batch_size,
+                                                                       k, temperature, top_k, seed):
+    """Rows verifying different numbers of drafts, plain steps between speculative rounds, n-gram rows
+    with and without a match: still plain seeded sampling, token for token."""
+    target, draft = pair(arch)
+    base = random_prompts(5, [2, 7, 4], seed=seed % 1000, vocab=VOCAB)
+    prompts = [p * 3 if i % 2 == 0 else p for i, p in enumerate(base)]
+    params = [SamplingParams(max_new_tokens=12, temperature=temperature, top_k=top_k, seed=seed + i) for i in range(5)]
+    spec = SpecConfig(method=layout[0], scheduler=layout[1], num_draft_tokens=k, batch_size=batch_size,
+                      speculation="adaptive", drafter=drafter_kind, ngram_min=1, ngram_max=3)
+    assert run(target, prompts, params, spec, draft_model=draft, costs=ScriptedCosts(*costs)) == oracle(target, prompts, params)
+
+
 @pytest.mark.parametrize("method", ["ragged", "eqspec"])
 def test_coupled_is_drafter_independent(method):
     """Scripted drafters that know the answer (always, sometimes, never) and an adversarial drafter
@@ -294,6 +321,44 @@ def test_rejection_accepts_drafters_without_probabilities():
         assert 0 < engine.stats.accepted < engine.stats.drafted
         if temperature < 0.1:
             assert out == greedy
+
+
+def test_rejection_caps_each_row_at_its_own_drafts():
+    """A row with L of k drafts is judged exactly as a round of L drafts would judge it (same
+    randomness): the padding after them is neither accepted nor used for the correction, and the
+    token at slot L is drawn from p, the bonus distribution."""
+    gen = torch.Generator().manual_seed(4)
+    b, k, vocab = 64, 4, 6
+    p = torch.softmax(torch.randn(b, k + 1, vocab, generator=gen) * 2, dim=-1)
+    q = torch.softmax(torch.randn(b, k, vocab, generator=gen) * 2, dim=-1)
+    drafts = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(b, k)
+    uniform = torch.rand(b, k, generator=gen)
+    noise = sampling.gumbel(torch.rand(b, vocab, generator=gen))
+    lengths = torch.arange(b) % (k + 1)
+    tokens, count = acceptance.rejection(drafts, p, q, uniform, noise, lengths)
+    for row in range(b):
+        n = int(lengths[row])
+        alone_tokens, alone_count = acceptance.rejection(drafts[row:row + 1, :n], p[row:row + 1, : n + 1],
+                                                         q[row:row + 1, :n], uniform[row:row + 1, :n], noise[row:row + 1])
+        assert int(count[row]) == int(alone_count[0]) <= n + 1
+        assert tokens[row, : int(count[row])].tolist() == alone_tokens[0, : int(alone_count[0])].tolist()
+    greedy_tokens, greedy_count = acceptance.greedy(drafts, torch.log(p), lengths)
+    assert bool((greedy_count <= lengths + 1).all())
+
+
+def test_rejection_with_prompt_lookup_stays_in_the_targets_support():
+    target, draft = pair("qwen2")
+    base = random_prompts(4, [3, 6], seed=12, vocab=VOCAB)
+    prompts = [p * 3 for p in base]
+    params = [SamplingParams(max_new_tokens=12, temperature=0.9, top_k=5)] * 4
+    for kind in ("ngram", "hybrid"):
+        spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=4, drafter=kind, ngram_min=1, ngram_max=3,
+                          speculation="adaptive")
+        engine = build_engine(target, replace(spec, generator_seed=2), STOP, draft_model=draft,
+                              costs=ScriptedCosts(1.0, 0.05, 0.05))
+        out = engine.generate(prompts, params)
+        assert engine.stats.drafted > 0
+        assert all(outside_support(target, p, o.generated, sp) == [] for p, o, sp in zip(prompts, out, params))
 
 
 def test_unseeded_sampling_has_no_reference_output():

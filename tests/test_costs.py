@@ -1,0 +1,108 @@
+"""The cost model: interpolation, calibration and its cache, online rescaling, break-even rates. No
+assertion here depends on how fast anything ran."""
+
+from __future__ import annotations
+
+import pytest
+from tinyworld import ScriptedCosts, tiny_model
+
+from batchspec import costs as costs_module
+from batchspec.bench.report import render_costs
+from batchspec.costs import (
+    SCALE_BOUNDS,
+    MeasuredCosts,
+    TimingTable,
+    break_even,
+    calibrated,
+    fingerprint,
+    grid,
+    measure,
+)
+
+
+def test_timing_table_interpolates_and_extends_linearly():
+    table = TimingTable([1, 4], [1, 3], [[1.0, 2.0], [4.0, 8.0]])
+    assert table(1, 1) == 1.0 and table(4, 3) == 8.0
+    assert table(1, 2) == pytest.approx(1.5)
+    assert table(2, 1) == pytest.approx(2.0)
+    assert table(8, 3) == pytest.approx(16.0)  # past the grid: the last segment extended
+    assert TimingTable([1, 2], [1], [[5.0], [1.0]])(10, 1) == 0.0  # never negative
+    assert table.covers(4, 3) and not table.covers(5, 3) and not table.covers(4, 4)
+
+
+def test_grid_keeps_both_ends_and_few_points():
+    assert grid(1) == [1]
+    assert grid(4) == [1, 2, 4]
+    assert grid(6, (2,)) == [1, 2, 4, 6]
+    for top in (3, 8, 32, 100):
+        points = grid(top)
+        assert points[0] == 1 and points[-1] == top and len(points) <= 4 and points == sorted(set(points))
+
+
+def test_measure_times_every_shape_through_the_layout():
+    model = tiny_model("qwen2", vocab_size=50)
+    table = measure(model, [1, 3], [1, 2, 4], all_logits=True)
+    assert table.rows == [1, 3] and table.tokens == [1, 2, 4]
+    assert all(len(line) == 3 and all(t > 0 for t in line) for line in table.seconds)
+
+
+def test_calibration_is_cached_per_model_and_refreshed_when_it_does_not_cover(tmp_path, monkeypatch):
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    calls: list[tuple[list[int], list[int]]] = []
+
+    def fake(model, rows, tokens, all_logits):
+        calls.append((rows, tokens))
+        return TimingTable(rows, tokens, [[0.1 * r * t for t in tokens] for r in rows])
+
+    llama, gpt2 = tiny_model("llama", vocab_size=50), tiny_model("gpt2", vocab_size=50)
+    table, where = calibrated(llama, 4, 6, True, measure_fn=fake)
+    assert calls == [([1, 2, 4], [1, 2, 4, 6])] and "measured" in where
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    monkeypatch.setattr(costs_module, "_MEMO", {})  # a new process: the file answers
+    again, where = calibrated(llama, 2, 3, True, measure_fn=fake)
+    assert again == table and len(calls) == 1 and "cached" in where
+    calibrated(llama, 8, 6, True, measure_fn=fake)  # more rows than measured: measure again
+    calibrated(gpt2, 2, 3, True, measure_fn=fake)  # another model: its own entry
+    calibrated(llama, 2, 3, False, measure_fn=fake)  # drafter steps are timed apart from verifies
+    calibrated(llama, 2, 3, True, fresh=True, measure_fn=fake)
+    assert [c[0] for c in calls[1:]] == [[1, 2, 4, 8], [1, 2], [1, 2], [1, 2]]
+    assert calls[3][1] == [1, 2]
+    assert fingerprint(llama) != fingerprint(gpt2)
+    assert fingerprint(llama) == fingerprint(tiny_model("llama", vocab_size=50))
+
+
+def test_online_rescaling_follows_measured_rounds_within_bounds():
+    verify = TimingTable([1, 4], [1, 6], [[1.0, 2.0], [2.0, 4.0]])
+    draft = TimingTable([1, 4], [1, 2], [[0.1, 0.15], [0.2, 0.3]])
+    costs = MeasuredCosts(verify, draft)
+    assert costs.verify_time(1, 6) == 2.0 and costs.draft_time(4, 2) == pytest.approx(0.3)
+    for _ in range(100):  # the machine is twice as slow as calibrated
+        costs.observe(1, 5, 3, draft_s=2 * (0.15 + 2 * 0.1), verify_s=4.0, other_s=0.01)
+    assert costs.verify_scale == pytest.approx(2.0, rel=1e-3) and costs.draft_scale == pytest.approx(2.0, rel=1e-3)
+    assert costs.verify_time(1, 6) == pytest.approx(4.0, rel=1e-3) and costs.overhead() == pytest.approx(0.01)
+    for _ in range(200):  # one absurd round after another moves it no further than the bound
+        costs.observe(1, 0, 0, draft_s=0.0, verify_s=1e6, other_s=0.0)
+    assert costs.verify_scale == pytest.approx(SCALE_BOUNDS[1], rel=1e-3)
+    assert costs.draft_scale == pytest.approx(2.0, rel=1e-3)  # rounds without drafter steps leave it
+    assert costs.without_drafter().draft_time(4, 1) == 0.0
+
+
+def test_break_even_is_where_one_more_draft_neither_helps_nor_hurts():
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.2, draft_step=0.3)
+    for rows in (1, 4):
+        for k in (1, 2, 4):
+            rate = break_even(costs, rows, k)
+            drafting = 0.3 * k
+            plain = costs.verify_time(rows, 1)
+            assert sum(rate**i for i in range(k + 1)) / (drafting + costs.verify_time(rows, k + 1)) == pytest.approx(
+                1 / plain, rel=1e-6)
+    assert break_even(ScriptedCosts(1.0, 0.0, 0.0), 1, 3) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_cost_report_names_times_and_break_even_rates():
+    costs = MeasuredCosts(TimingTable([1, 4], [1, 6], [[0.39, 0.88], [0.6, 2.0]]),
+                          TimingTable([1, 4], [1, 2], [[0.16, 0.2], [0.2, 0.25]]), "measured here")
+    text = render_costs(costs, [1, 4], 5)
+    assert "measured here" in text and "390.0" in text and "160.0" in text
+    assert "Break-even acceptance" in text and "K=5" in text

@@ -1,0 +1,182 @@
+"""The adaptive speculation policy on scripted costs (no timing anywhere): when it drafts, how much it
+verifies, how its acceptance estimates learn, and that its confidence never looks at a sampled draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tinyworld import ScriptedCosts
+
+from batchspec import sampling
+from batchspec.config import SamplingParams
+from batchspec.costs import break_even
+from batchspec.drafters import Draft
+from batchspec.sequence import Sequence
+from batchspec.speculation import (
+    FORCED,
+    PROBE_FIRST,
+    SAMPLED,
+    AcceptanceModel,
+    AdaptiveSpeculation,
+    FixedSpeculation,
+    RoundPlan,
+)
+
+K = 5
+
+
+def rows(count: int, budget: int = 50, params: SamplingParams | None = None) -> list[Sequence]:
+    return [Sequence(i, [5, 6, 7], params or SamplingParams(max_new_tokens=budget), frozenset()) for i in range(count)]
+
+
+def teach(policy: AdaptiveSpeculation, seqs: list[Sequence], accepted: int, rounds: int = 30) -> None:
+    """Rounds in which every row verified K drafts (no confidence) and accepted `accepted` of them."""
+    b = len(seqs)
+    for _ in range(rounds):
+        policy.model.record(seqs, torch.full((b,), K), torch.full((b,), accepted),
+                            torch.full((b, K), float("nan"), dtype=torch.float64), torch.full((b, K), SAMPLED))
+
+
+def peaked(b: int, vocab: int, token: int, p: float) -> torch.Tensor:
+    """Logits [b, vocab] giving `token` probability p, the rest spread evenly."""
+    rest = (1 - p) / (vocab - 1)
+    logits = torch.full((b, vocab), float(torch.log(torch.tensor(rest))))
+    logits[:, token] = float(torch.log(torch.tensor(p)))
+    return logits
+
+
+def test_expensive_drafting_and_low_acceptance_choose_plain_steps_with_rare_probes():
+    policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=1.0, verify_token=0.3, draft_step=1.0))
+    seqs = rows(2)
+    teach(policy, seqs, accepted=0)
+    decisions = []
+    for _ in range(PROBE_FIRST * 3):
+        steer = policy.plan(seqs).steer
+        decisions.append((steer.proceed(0), steer.probe))
+    assert decisions[: PROBE_FIRST - 1] == [(False, False)] * (PROBE_FIRST - 1)
+    assert decisions[PROBE_FIRST - 1] == (True, True)  # a probe, then twice as long before the next
+    assert [d for d in decisions[PROBE_FIRST:]].count((True, True)) == 1
+    assert sum(go for go, _ in decisions) == 2
+
+
+def test_high_acceptance_and_cheap_drafting_verify_k_max():
+    vocab = 11
+    policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=1.0, verify_token=0.02, draft_step=0.05))
+    seqs = rows(3)
+    teach(policy, seqs, accepted=K)
+    steer = policy.plan(seqs).steer
+    assert steer.proceed(0)
+    tokens = torch.full((3,), 4)
+    for step in range(K):
+        steer.observed(step, peaked(3, vocab, 4, 0.97), tokens, None)
+        if step + 1 < K:
+            assert steer.proceed(step + 1)
+    draft = Draft(tokens[:, None].expand(3, K), torch.zeros(3, K, vocab))
+    assert policy.settle(RoundPlan(K, steer), draft).width == K
+
+
+def test_a_confident_drafter_is_trusted_until_it_is_not():
+    """Low drafter confidence at a step stops the round there; the drafts in hand are verified only as
+    far as they pay."""
+    vocab = 11
+    policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=1.0, verify_token=0.1, draft_step=0.1))
+    seqs = rows(2)
+    steer = policy.plan(seqs).steer
+    assert steer.proceed(0)
+    tokens = torch.full((2,), 3)
+    steer.observed(0, peaked(2, vocab, 3, 0.95), tokens, None)
+    assert steer.proceed(1)
+    steer.observed(1, peaked(2, vocab, 3, 0.02), tokens, None)
+    assert not steer.proceed(2)
+    assert policy.settle(RoundPlan(K, steer), Draft(tokens[:, None].expand(2, 2), torch.zeros(2, 2, vocab))).width == 1
+
+
+@pytest.mark.parametrize("rows_in_batch", [1, 4])
+def test_width_grows_with_acceptance_and_shrinks_with_cost(rows_in_batch):
+    seqs = rows(rows_in_batch)
+    levels = [i / 20 for i in range(1, 20)]
+
+    def width(acceptance: float, draft_step: float) -> int:
+        policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=1.0, verify_token=0.1, draft_step=draft_step))
+        steer = policy.plan(seqs).steer
+        steer.alpha[:] = acceptance
+        return policy.best_width(steer, 0, K, 0)[0]
+
+    for cost in (0.05, 0.3, 0.6):
+        widths = [width(a, cost) for a in levels]
+        assert widths == sorted(widths) and widths[0] == 0 and widths[-1] > 0
+    for a in levels:
+        by_cost = [width(a, cost) for cost in (0.0, 0.1, 0.3, 1.0, 3.0)]
+        assert by_cost == sorted(by_cost, reverse=True)
+
+
+def test_one_draft_pays_exactly_above_the_break_even_acceptance():
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.2, draft_step=0.3)
+    seqs = rows(2)
+    policy = AdaptiveSpeculation(1, costs)
+    even = break_even(costs, 2, 1)
+    assert 0 < even < 1
+    for acceptance, drafts in ((even - 0.02, 0), (even + 0.02, 1)):
+        steer = policy.plan(seqs).steer
+        steer.alpha[:] = acceptance
+        assert policy.best_width(steer, 0, 1, 0)[0] == drafts
+    assert break_even(ScriptedCosts(1.0, 0.2, 10.0), 2, 1) is None  # a step dearer than two tokens' worth
+
+
+def test_rows_cap_at_their_budget_and_rows_without_budget_plan_nothing():
+    policy = AdaptiveSpeculation(K, ScriptedCosts(1.0, 0.0, 0.0))
+    seqs = rows(3, budget=3)
+    seqs[0].generated = [9, 9]  # one token left: no draft can be used
+    seqs[1].generated = [9]  # two left: one draft
+    plan = policy.plan(seqs)
+    assert plan.steps == 2 and plan.steer.caps.tolist() == [0, 1, 2]
+    assert policy.plan(seqs[:1]).steps == 0
+    assert FixedSpeculation(K).plan(seqs).steps == 2
+
+
+def test_calibration_learns_what_the_target_accepts():
+    model = AcceptanceModel(K)
+    seqs = rows(2)
+    confident = torch.tensor([0.95, 0.95], dtype=torch.float64)
+    source = torch.tensor([SAMPLED, SAMPLED])
+    before = model.calibrate(seqs, 0, confident, source)
+    assert before.tolist() == pytest.approx([0.95, 0.95])  # the prior trusts the drafter's confidence
+    # confident drafts that the target accepts only a third of the time
+    for r in range(60):
+        hit = 1 if r % 3 == 0 else 0
+        model.record(seqs, torch.tensor([1, 1]), torch.tensor([hit, hit]),
+                     torch.full((2, 1), 0.95, dtype=torch.float64), torch.full((2, 1), SAMPLED))
+    after = model.calibrate(seqs, 0, confident, source)
+    assert after.max() < 0.5
+    assert model.expected(seqs)[:, 0].max() < 0.5
+    lookup = model.calibrate(seqs, 0, torch.tensor([float("nan")] * 2, dtype=torch.float64), torch.tensor([FORCED] * 2))
+    assert lookup.tolist() == pytest.approx([0.5, 0.5], abs=0.2)  # another cell: n-gram drafts learn apart
+
+
+def test_a_row_that_beats_the_table_is_trusted_more():
+    model = AcceptanceModel(K)
+    seqs = rows(2)
+    for _ in range(20):  # row 0 accepts everything, row 1 nothing, at the same confidence
+        model.record(seqs, torch.tensor([2, 2]), torch.tensor([2, 0]),
+                     torch.full((2, 2), 0.55, dtype=torch.float64), torch.full((2, 2), SAMPLED))
+    calibrated = model.calibrate(seqs, 1, torch.tensor([0.55, 0.55], dtype=torch.float64), torch.tensor([SAMPLED] * 2))
+    assert calibrated[0] > 0.8 > 0.2 > calibrated[1]
+    model.forget(seqs[:1])
+    assert 0 not in model.rows and 1 in model.rows
+
+
+def test_confidence_of_sampled_rows_never_looks_at_the_drawn_token():
+    """Rejection rows: sum(q^2), the same whatever token was drawn (keeping a draft because of its own
+    probability would bias rejection sampling); greedy and coupled rows: the drafted token's probability;
+    forced (n-gram) tokens: their probability under every rule."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
+    seqs = [Sequence(0, [1], SamplingParams(), frozenset()),
+            Sequence(1, [1], SamplingParams(temperature=1.0, seed=3), frozenset()),
+            Sequence(2, [1], SamplingParams(temperature=1.0), frozenset())]
+    q = torch.softmax(logits[0], dim=-1)
+    for token in range(4):
+        tokens = torch.tensor([0, token, token])
+        got = sampling.draft_confidence(logits, tokens, None, seqs)
+        assert got.tolist() == pytest.approx([float(q[0]), float(q[token]), float((q * q).sum())])
+        forced = sampling.draft_confidence(logits, tokens, torch.tensor([False, False, True]), seqs)
+        assert float(forced[2]) == pytest.approx(float(q[token]))
