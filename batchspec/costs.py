@@ -13,7 +13,9 @@ load on the machine and growing contexts are followed. Tests inject a scripted m
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import platform
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from .kv import context_limit
 from .layouts.ragged import RaggedLayout
 
 SMOOTHING = 0.1  # weight of each new round in the online rescaling
+TRUSTED_ROUNDS = 8  # observed rounds of a verify shape after which they outweigh the table 4 to 1
 SCALE_BOUNDS = (0.2, 5.0)  # a single odd round (a GC pause, a page fault) may not move the model further
 CONTEXT = 32  # committed tokens per row while measuring: decode-like, and cheap to prefill
 REPEATS = 2  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
@@ -96,18 +99,30 @@ class TimingTable:
 
 
 class MeasuredCosts:
-    """A calibrated `TimingTable` per model, rescaled online by what rounds really take."""
+    """A calibrated `TimingTable` per model, refreshed online by what rounds really take.
+
+    Verify forwards are timed exactly (one forward per round), so each shape the engine runs keeps
+    its own running mean, which takes over from the table as observations accumulate (a table point
+    a noisy calibration got wrong is corrected as soon as rounds of that shape run; the policy's
+    probes run the one-draft shape even when it never chooses it). Shapes not seen yet, and drafter
+    steps (a round's drafting time mixes catch-up and steps of two sizes), follow the table scaled
+    by the running ratio of measured to predicted time.
+    """
 
     def __init__(self, verify: TimingTable, draft: TimingTable | None, source: str = "") -> None:
         self.verify = verify
         self.draft = draft
-        self.source = source  # where the tables came from, for `describe`
+        self.source = source  # where the tables came from, for reports
         self.verify_scale = 1.0
         self.draft_scale = 1.0
+        self.seen: dict[tuple[int, int], tuple[float, int]] = {}  # (rows, tokens) -> (mean seconds, rounds)
         self._overhead: float | None = None
 
     def verify_time(self, rows: int, tokens: int) -> float:
-        return self.verify(rows, tokens) * self.verify_scale
+        table = self.verify(rows, tokens) * self.verify_scale
+        mean, count = self.seen.get((rows, tokens), (0.0, 0))
+        trust = min(count, TRUSTED_ROUNDS) / (min(count, TRUSTED_ROUNDS) + 2)
+        return trust * mean + (1 - trust) * table
 
     def draft_time(self, rows: int, tokens: int) -> float:
         return 0.0 if self.draft is None else self.draft(rows, tokens) * self.draft_scale
@@ -117,19 +132,12 @@ class MeasuredCosts:
 
     def observe(self, rows: int, width: int, steps: int, draft_s: float, verify_s: float, other_s: float) -> None:
         self.verify_scale = _rescaled(self.verify_scale, verify_s, self.verify(rows, width + 1))
+        mean, count = self.seen.get((rows, width + 1), (0.0, 0))
+        self.seen[rows, width + 1] = (mean + max(SMOOTHING, 1 / (count + 1)) * (verify_s - mean), count + 1)
         if steps and self.draft is not None:
             predicted = self.draft(rows, 2) + (steps - 1) * self.draft(rows, 1)
             self.draft_scale = _rescaled(self.draft_scale, draft_s, predicted)
         self._overhead = other_s if self._overhead is None else (1 - SMOOTHING) * self._overhead + SMOOTHING * other_s
-
-    def without_drafter(self) -> MeasuredCosts:
-        """The same target costs for a drafter that costs nothing to run (n-gram lookup)."""
-        return MeasuredCosts(self.verify, None, self.source)
-
-    def to_json(self) -> dict:
-        return {"verify": asdict(self.verify), "draft": asdict(self.draft) if self.draft else None,
-                "verify_scale": round(self.verify_scale, 4), "draft_scale": round(self.draft_scale, 4),
-                "overhead_s": self.overhead(), "source": self.source}
 
 
 def _rescaled(scale: float, measured: float, predicted: float) -> float:
@@ -153,28 +161,37 @@ def grid(top: int, base: tuple[int, ...] = ()) -> list[int]:
 def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logits: bool) -> TimingTable:
     """Time one forward of each shape through the ragged layout (the engine's own path), after
     CONTEXT committed tokens per row; `all_logits` as a verify forward (every position's logits)
-    rather than a drafter step (the last position's only)."""
+    rather than a drafter step (the last position's only).
+
+    Shapes are timed in interleaved passes (a warm-up, then REPEATS) and each keeps its fastest, so
+    a burst of load on a shared machine hits every shape alike instead of one; a shape with more rows
+    or tokens is then never rated cheaper than a smaller one (noise can make it look so, work cannot)."""
     limit = context_limit(model)
     context = CONTEXT if limit is None else min(CONTEXT, limit - max(tokens))
     device = next(model.parameters()).device
     vocab = int(model.get_input_embeddings().num_embeddings)
-    seconds = []
+    ids = [(7 * i + 3) % vocab for i in range(context)]
+    layouts = {}
     for r in rows:
-        layout = RaggedLayout(model, r, context + max(tokens))
-        ids = [(7 * i + 3) % vocab for i in range(context)]
-        layout.prefill([ids] * r)
-        base = layout.lengths.clone()
-        line = []
-        for n in tokens:
-            feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
-            times = []
-            for _ in range(REPEATS + 1):
+        layouts[r] = RaggedLayout(model, r, context + max(tokens))
+        layouts[r].prefill([ids] * r)
+    best = {(r, n): math.inf for r in rows for n in tokens}
+    for timed in [False] + [True] * REPEATS:
+        for r in rows:
+            layout = layouts[r]
+            base = layout.lengths.clone()
+            for n in tokens:
+                feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
                 start = wall_clock(model)
                 layout.forward(feed, last_only=not all_logits)
-                times.append(wall_clock(model) - start)
+                elapsed = wall_clock(model) - start
                 layout.commit(base)
-            line.append(min(times[1:]))
-        seconds.append(line)
+                if timed:
+                    best[r, n] = min(best[r, n], elapsed)
+    seconds = [list(itertools.accumulate((best[r, n] for n in tokens), max)) for r in rows]
+    for j in range(len(tokens)):
+        for i in range(1, len(rows)):
+            seconds[i][j] = max(seconds[i][j], seconds[i - 1][j])
     return TimingTable(rows, tokens, seconds)
 
 

@@ -75,6 +75,21 @@ def test_real_pair_matches_plain_greedy(method):
     assert llm.stats.accepted > 0  # the drafter really drafted, and some drafts were kept
 
 
+@pytest.mark.parametrize("speculation, drafter", [("adaptive", "model"), ("adaptive", "hybrid"), ("fixed", "ngram")])
+def test_real_pair_adaptive_and_lookup_match_plain_greedy(speculation, drafter):
+    """Widths chosen per round (on a scripted cost model shaped like this CPU's: a 6-token verify ~2.3x
+    a 1-token one, a drafter step ~0.4x), n-gram rows with and without matches: still plain greedy."""
+    from tinyworld import ScriptedCosts
+
+    spec = SpecConfig(method="ragged", num_draft_tokens=5, batch_size=4, speculation=speculation, drafter=drafter,
+                      ngram_min=2, ngram_max=4)
+    llm = LLM(spec=spec, models=pair(), costs=ScriptedCosts(verify_base=0.29, verify_token=0.1, draft_step=0.16))
+    outputs = llm.generate([list(p) for p in prompts()], SamplingParams(max_new_tokens=MAX_NEW))
+    mismatched = [o.index for o, ref in zip(outputs, oracle()) if o.token_ids != ref]
+    assert mismatched == [], f"{speculation} {drafter}: prompts {mismatched} diverged from plain greedy decoding"
+    assert llm.stats.drafted > 0
+
+
 def test_real_pair_text_prompts_and_error_records():
     """Text in, text out, through the chat template; a bad prompt is recorded, the others answered."""
     llm = LLM(spec=SpecConfig(method="ragged", num_draft_tokens=4, batch_size=2), models=pair())
