@@ -579,3 +579,20 @@ def test_adaptive_verifies_the_most_when_verification_is_free():
         for chosen, accepted in zip(seq.chosen_k, seq.accepted_k):
             assert chosen == min(4, budget - generated - 1)
             generated += accepted + 1
+
+
+@pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec"])
+def test_lookup_rows_with_and_without_matches_share_rounds(method):
+    """N-gram rows with and without a match in the same round: one verifies its continuation while the
+    other verifies nothing (its round is a plain step), and both stay exact."""
+    arch = "gpt2"
+    base = random_prompts(2, [6, 7], seed=37)
+    prompts = [base[0] * 4, base[1]]
+    spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=2, drafter="ngram", ngram_min=1, ngram_max=4,
+                      check_invariants=True)
+    outputs = build_engine(target(arch), spec).generate(prompts, SamplingParams(max_new_tokens=12))
+    assert_matches_oracle(arch, prompts, outputs, 12)
+    shared = list(zip(outputs[0].proposed_k, outputs[1].proposed_k))  # rounds both rows took part in
+    assert any(a > 0 == b for a, b in shared) and any(b > 0 == a for a, b in shared)
+    for seq in outputs:
+        assert all(c == min(p, 4) for c, p in zip(seq.chosen_k, seq.proposed_k))
