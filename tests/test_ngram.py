@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 from hypothesis import given, settings, strategies as st
 
 from batchspec.cli import main as cli_main
