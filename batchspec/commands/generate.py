@@ -17,9 +17,11 @@ from ..reference import reference_decode
 from .common import (
     add_decoding_arguments,
     add_model_arguments,
+    add_ray_arguments,
     add_sampling_arguments,
     load_models,
     make_llm,
+    make_ray_llm,
     params_for,
     spec_from_args,
 )
@@ -33,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_decoding_arguments(p)
     add_sampling_arguments(p)
+    add_ray_arguments(p)
 
 
 def summarize(outputs: list[RequestOutput], wall: float) -> dict:
@@ -61,8 +64,14 @@ def run(args: argparse.Namespace) -> int:
                              "right answer (use `batchspec verify-distribution` for its distribution)")
     spec = spec_from_args(args)
     params = params_for(args, len(records))  # validated before the (slow) model loading
-    models = load_models(args, need_draft=spec.speculative)
-    llm = make_llm(args, models, spec)
+    if args.ray:
+        if args.verify:
+            raise BatchspecError("--verify decodes every prompt again on this machine; with --ray, run "
+                                 "`batchspec audit` on the output instead")
+        llm = make_ray_llm(args, spec)
+    else:
+        models = load_models(args, need_draft=spec.speculative)
+        llm = make_llm(args, models, spec)
     readable = [i for i, r in enumerate(records) if r.error is None]
     outputs: dict[int, RequestOutput] = {
         i: RequestOutput(i, r.text, [], error=r.error) for i, r in enumerate(records) if r.error is not None
