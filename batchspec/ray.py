@@ -19,6 +19,7 @@ Ray's: a dead actor is restarted (`max_restarts`) and its unfinished batches rer
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence as Seq
 from dataclasses import asdict, fields
@@ -131,6 +132,7 @@ class BatchspecPredictor:
         self.stats_sink = stats_sink
 
     def __call__(self, batch: Any) -> pa.Table:
+        started = time.time()
         columns = _columns(batch)
         if "prompt" not in columns:
             raise BatchspecError(f"rows need a `prompt` column; got {', '.join(columns) or 'none'}")
@@ -158,7 +160,7 @@ class BatchspecPredictor:
             outputs[out.index] = out
         if self.stats_sink is not None:
             # Keyed by the batch's ids, so a batch rerun after a fault replaces its report.
-            ray.get(self.stats_sink.put.remote(tuple(ids), asdict(self.llm.stats)))
+            ray.get(self.stats_sink.put.remote(tuple(ids), asdict(self.llm.stats), (started, time.time())))
         return _table(ids, outputs)
 
     def _params(self, columns: dict[str, list], row: int) -> SamplingParams:
@@ -185,14 +187,21 @@ def _table(ids: list[str | None], outputs: Seq[RequestOutput | None]) -> pa.Tabl
 
 @ray.remote(num_cpus=0)
 class StatsSink:
-    """Collects each batch's EngineStats from the actors, so the driver can report where the time
-    went across workers (Ray Data returns rows only). One report per batch key: a rerun overwrites."""
+    """Collects each batch's EngineStats and its wall-clock span in the actor, so the driver can say
+    where the time went across workers (Ray Data returns rows only). One report per batch key: a
+    batch rerun after a fault overwrites its first report instead of counting twice."""
 
     def __init__(self) -> None:
         self.reports: dict[tuple, dict] = {}
+        self.spans: dict[tuple, tuple[float, float]] = {}
 
-    def put(self, key: tuple, stats: dict) -> None:
+    def put(self, key: tuple, stats: dict, span: tuple[float, float]) -> None:
         self.reports[key] = stats
+        self.spans[key] = span
+
+    def batch_spans(self) -> list[tuple[float, float]]:
+        """(start, end) of each batch's call, in `time.time()` of the actor's node, sorted."""
+        return sorted(self.spans.values())
 
     def total(self) -> dict:
         total: dict[str, Any] = asdict(EngineStats())
@@ -270,8 +279,9 @@ class RayLLM:
     outputs come back as each batch finishes, with `index` into the given prompts, and `stats`
     summed over every worker's batches.
 
-    address: None starts a local cluster (unless this process is connected already); "auto" joins
-    the cluster `ray start` runs on this node; "ray://host:10001" connects as a Ray client.
+    address: None starts a new local cluster (unless this process is connected already); "auto" joins
+    the cluster `ray start` runs on this node; "HOST:6379" a cluster's head. Ray Client addresses
+    (ray://) are refused: Ray Data's streaming executor needs a full driver (Ray 2.60).
     rows_per_call None: enough batches to keep every worker busy, at most 64 rows each.
     """
 
@@ -296,11 +306,16 @@ class RayLLM:
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.stats = EngineStats()
+        if address is not None and address.startswith("ray://"):
+            raise BatchspecError("Ray Data cannot run through Ray Client (ray://); run this on a cluster node with "
+                                 "--ray-address auto, or send it there with `ray job submit -- batchspec generate ...`")
         if not ray.is_initialized():
             try:
-                ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+                ray.init(address=address or "local", include_dashboard=False, logging_level="WARNING",
+                         log_to_driver=False)
             except ConnectionError as err:
-                raise BatchspecError(f"cannot reach the Ray cluster at {address}: {err}") from err
+                raise BatchspecError(f"cannot reach the Ray cluster at {address} ({err}); is `ray start` running "
+                                     "there, and has this machine the cluster's token (RAY_AUTH_MODE=token)?") from err
         ray.data.DataContext.get_current().enable_progress_bars = False  # generate draws its own
 
     def stream(self, prompts: Seq[Prompt], params: Seq[SamplingParams]) -> Iterator[RequestOutput]:

@@ -5,10 +5,10 @@
                                                               # the bundled pair: ~9 GB RAM per actor
 
 Runs, on the same prompts and engine settings: one process (`LLM.generate`, models already loaded),
-then Ray with 1 actor on a quarter of the rows and on all of them, then Ray with 2 actors on all of
-them. Ray's wall time includes starting the actors and loading their models; each batch's engine
-time comes back through the stats sink, so the time outside the engine is what Ray (and actor
-start-up) cost. Comparing the two 1-actor runs splits that into a fixed part and a part per row.
+then Ray with 1 actor and with 2 actors. Ray's wall time includes starting the actors (process,
+imports, model loading); each call's span in the actor and its engine time come back through the
+stats sink, so the bench splits Ray's wall time into start-up, engine, and the rest: the overhead
+per row that Ray (and the row/Arrow adapter) add once the actors run.
 """
 
 from __future__ import annotations
@@ -55,19 +55,26 @@ def model_settings(args: argparse.Namespace, scratch: Path) -> dict:
 
 
 def on_ray(texts: list[str], model: dict, spec: dict, sampling: dict, actors: int, args) -> dict:
+    """One Ray Data run; the time around each actor call and inside its engine comes from the sink."""
     sink = StatsSink.remote()
     rows = [{"id": str(i), "prompt": t} for i, t in enumerate(texts)]
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows) // args.rows_per_call))
-    start = time.perf_counter()
+    start = time.time()
     out = generate_dataset(ds, model=model, spec=spec, sampling=sampling, concurrency=actors,
                            batch_size=args.rows_per_call, num_cpus=args.cpus_per_actor, stats_sink=sink).take_all()
-    wall = time.perf_counter() - start
-    engine = ray.get(sink.total.remote())
+    end = time.time()
+    engine, spans = ray.get([sink.total.remote(), sink.batch_spans.remote()])
     ray.kill(sink)
     assert len(out) == len(rows) and not any(r["error"] for r in out)
-    engine_s = engine["prefill_time"] + engine["draft_time"] + engine["verify_time"] + engine["other_time"]
-    return {"rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in out), "wall_s": wall,
-            "engine_s": engine_s, "outside_engine_s": wall - engine_s / actors}
+    in_calls = sum(b - a for a, b in spans)
+    return {
+        "actors": actors, "rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in out), "wall_s": end - start,
+        "engine_s": sum(engine[k] for k in ("prefill_time", "draft_time", "verify_time", "other_time")),
+        "startup_s": spans[0][0] - start,  # actor processes, imports, model loading, first dispatch
+        "in_calls_s": in_calls,
+        "between_calls_s": spans[-1][1] - spans[0][0] - in_calls,  # idle gaps (meaningful with 1 actor)
+        "tail_s": end - spans[-1][1],  # last results to the driver
+    }
 
 
 def main() -> None:
@@ -103,32 +110,33 @@ def main() -> None:
         local_engine_s = llm.stats.total_time
         del llm
 
-        ray.init(address=args.address, num_cpus=None if args.address else 2, include_dashboard=False,
+        ray.init(address=args.address or "local", num_cpus=None if args.address else 2, include_dashboard=False,
                  logging_level="WARNING", log_to_driver=False)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        quarter = on_ray(texts[: len(texts) // 4], model, spec, sampling, 1, args)
         one = on_ray(texts, model, spec, sampling, 1, args)
         two = on_ray(texts, model, spec, sampling, 2, args)
         ray.shutdown()
 
-    per_row = (one["outside_engine_s"] - quarter["outside_engine_s"]) / (one["rows"] - quarter["rows"])
+    n = len(texts)
     figures = {
-        "rows": len(texts), "max_new_tokens": args.max_new_tokens, "rows_per_call": args.rows_per_call,
+        "rows": n, "max_new_tokens": args.max_new_tokens, "rows_per_call": args.rows_per_call,
         "one_process": {"load_s": load_s, "wall_s": local_s, "engine_s": local_engine_s, "tokens": tokens},
-        "ray_1_actor_quarter": quarter, "ray_1_actor": one, "ray_2_actors": two,
-        "ray_overhead_per_row_s": per_row,
-        "ray_fixed_overhead_s": quarter["outside_engine_s"] - per_row * quarter["rows"],
+        "ray_1_actor": one, "ray_2_actors": two,
+        # with one actor everything but start-up and engine time is what Ray and the adapter add
+        "ray_overhead_per_row_s": (one["wall_s"] - one["startup_s"] - one["engine_s"]) / n,
     }
-    print(f"{'run':<22}{'wall s':>9}{'rows/s':>9}{'tok/s':>9}{'engine s':>10}{'outside s':>11}")
-    print(f"{'one process':<22}{local_s:>9.2f}{len(texts) / local_s:>9.2f}{tokens / local_s:>9.1f}{local_engine_s:>10.2f}"
-          f"{local_s - local_engine_s:>11.2f}  (+{load_s:.2f} s model load)")
-    for name, run in (("ray 1 actor (1/4)", quarter), ("ray 1 actor", one), ("ray 2 actors", two)):
-        print(f"{name:<22}{run['wall_s']:>9.2f}{run['rows'] / run['wall_s']:>9.2f}{run['tokens'] / run['wall_s']:>9.1f}"
-              f"{run['engine_s']:>10.2f}{run['outside_engine_s']:>11.2f}")
-    print(f"Ray per row: {per_row * 1000:.1f} ms; fixed (actor start, imports, model load): "
-          f"{figures['ray_fixed_overhead_s']:.2f} s")
-    print(f"2 actors vs 1: {one['wall_s'] / two['wall_s']:.2f}x wall, "
-          f"{(two['rows'] / two['engine_s']) / (one['rows'] / one['engine_s']):.2f}x rows per engine-second per actor")
+    print(f"{'run':<16}{'wall s':>8}{'rows/s':>8}{'tok/s':>8}{'start-up s':>11}{'engine s':>10}")
+    print(f"{'one process':<16}{local_s:>8.2f}{n / local_s:>8.2f}{tokens / local_s:>8.1f}{load_s:>11.2f}"
+          f"{local_engine_s:>10.2f}   (start-up: model load, not in wall)")
+    for name, run in (("ray 1 actor", one), ("ray 2 actors", two)):
+        print(f"{name:<16}{run['wall_s']:>8.2f}{n / run['wall_s']:>8.2f}{run['tokens'] / run['wall_s']:>8.1f}"
+              f"{run['startup_s']:>11.2f}{run['engine_s']:>10.2f}")
+    steady = [r["wall_s"] - r["startup_s"] for r in (one, two)]
+    print(f"Ray overhead per row (1 actor, after start-up): {figures['ray_overhead_per_row_s'] * 1000:.1f} ms = "
+          f"{(one['in_calls_s'] - one['engine_s']) / n * 1000:.1f} ms in calls outside the engine + "
+          f"{one['between_calls_s'] / n * 1000:.1f} ms between calls + {one['tail_s'] / n * 1000:.1f} ms tail")
+    print(f"2 actors vs 1: {one['wall_s'] / two['wall_s']:.2f}x wall, {steady[0] / steady[1]:.2f}x after start-up; "
+          f"engine seconds {one['engine_s']:.2f} -> {two['engine_s']:.2f} (contention for the cores)")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

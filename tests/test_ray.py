@@ -41,7 +41,7 @@ def cluster(tmp_path_factory):
     killable predictor below)."""
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     victims = tmp_path_factory.mktemp("victims")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              object_store_memory=256 * 2**20,
              runtime_env={"env_vars": {"PYTHONPATH": path, VICTIM_DIR: str(victims)}})
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -277,6 +277,7 @@ def test_without_ray_flag_ray_is_never_imported(tiny_pair_dirs, tmp_path):
         (["--ray", "--verify"], "with --ray, run `batchspec audit` on the output instead"),
         (["--ray", "--ray-workers", "0"], "--ray-workers must be >= 1"),
         (["--ray", "--ray-batch-rows", "0"], "--ray-batch-rows must be >= 1"),
+        (["--ray", "--ray-address", "ray://head:10001"], "Ray Data cannot run through Ray Client (ray://)"),
     ],
 )
 def test_bad_ray_options_are_one_clear_line(tiny_pair_dirs, tmp_path, capsys, extra, message):
@@ -322,3 +323,40 @@ def test_predictor_without_a_cluster(model, expected):
         BatchspecPredictor(model=model, spec={"methd": "ragged"})
     with pytest.raises(BatchspecError, match="max_new_tokens must be an integer, got 2.5"):
         predictor._params({"max_new_tokens": [2.5]}, 0)
+
+
+@pytest.mark.real
+def test_real_pair_through_ray(cluster, tmp_path, capsys):
+    """Smoke test of the bundled pair through `generate --ray`: 2 short prompts x 8 tokens on one
+    2-CPU actor (~9 GB), kept that small for CI's 2 cores; each output equals plain greedy decoding."""
+    import torch
+    from test_real import pair  # the same loaded models as the real-pair tests, and their skip/fail rule
+
+    from batchspec.bundled import bundled_installed
+    from batchspec.models import eos_token_ids
+    from batchspec.reference import greedy_decode
+
+    if not (bundled_installed("target") and bundled_installed("draft")):
+        if os.environ.get("BATCHSPEC_REQUIRE_REAL") == "1":
+            pytest.fail("bundled model pair not installed (run `make setup`)")
+        pytest.skip("bundled model pair not installed (run `make setup`)")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                               for i, p in (("sum", "Write a Python function that adds two numbers."),
+                                            ("ls", "Which shell command lists files?"))))
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "8",
+                 "--ray", "--ray-workers", "1", "--ray-cpus-per-worker", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["sum", "ls"] and [r["error"] for r in rows] == [None, None]
+    assert summary["acceptance_rate"] is not None and summary["generated_tokens"] == sum(len(r["token_ids"]) for r in rows)
+    models = pair()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        stop = eos_token_ids(models.target, models.tokenizer)
+        for row in rows:
+            assert row["token_ids"] == greedy_decode(models.target, row["prompt_token_ids"], 8, stop), row["id"]
+    finally:
+        torch.set_num_threads(threads)

@@ -96,8 +96,8 @@ def make_llm(args: argparse.Namespace, models: ModelPair, spec: SpecConfig) -> L
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ray (scale-out; needs `pip install batchspec[ray]`)")
     g.add_argument("--ray", action="store_true", help="decode on a Ray cluster, one engine per worker")
-    g.add_argument("--ray-address", help="auto: the cluster `ray start` runs here; ray://HOST:10001: a remote one "
-                   "(default: start a local cluster)")
+    g.add_argument("--ray-address", help="auto: the cluster `ray start` runs on this node; HOST:6379: that cluster's "
+                   "head (default: start a local cluster)")
     g.add_argument("--ray-workers", type=int, default=1, help="actors, each with its own models loaded once")
     g.add_argument("--ray-batch-rows", type=int, help="prompts per call to a worker (default: enough calls to "
                    "keep every worker busy, at most 64 prompts each)")
