@@ -114,7 +114,8 @@ class BatchspecPredictor:
     model: `ModelConfig` fields (target/draft paths are read on the worker's node);
     spec: `SpecConfig` fields (`batch_size` there is the rows decoded together inside the engine,
     not Ray's rows per call); sampling: `SamplingParams` fields, the default for every row;
-    stats_sink: a `StatsSink` actor to report each batch's engine timings to (used by `RayLLM`).
+    stats_sink: a `StatsSink` actor to report each batch's engine timings to (used by `RayLLM` and
+    the bench; it keys batches by their ids, so rows need unique ids).
 
     Input columns: `prompt` (text, or a list of token ids), optional `id` and SAMPLING_COLUMNS.
     Output: OUTPUT_SCHEMA, one row per input row in the same order; `id` as a string.
@@ -277,7 +278,7 @@ def _absolute(path: str | None) -> str | None:
 class RayLLM:
     """`LLM.stream` on a Ray cluster, for `batchspec generate --ray`: prompts go out as a dataset,
     outputs come back as each batch finishes, with `index` into the given prompts, and `stats`
-    summed over every worker's batches.
+    summed over every worker's batches of the last `stream`.
 
     address: None starts a new local cluster (unless this process is connected already); "auto" joins
     the cluster `ray start` runs on this node; "HOST:6379" a cluster's head. Ray Client addresses
