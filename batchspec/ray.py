@@ -53,6 +53,7 @@ OUTPUT_SCHEMA = pa.schema(
         ("accepted", pa.int64()),
         ("time_to_first_token", pa.float64()),
         ("latency", pa.float64()),
+        ("token_times", pa.list_(pa.float64())),
     ]
 )
 # Optional per-row columns overriding the `sampling` defaults (null/NaN: use the default).
