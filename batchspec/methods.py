@@ -27,6 +27,9 @@ _RAGGED = "batchspec.layouts.ragged:RaggedLayout"
 _PADDED = "batchspec.layouts.padded:PaddedLayout"
 _ENGINE = "batchspec.engine:Engine"
 _BROKEN = "batchspec.forensics.broken"
+# Models with recurrent state (SSM / linear-attention layers): their layout and engine (batchspec.stateful).
+_STATEFUL = "batchspec.layouts.stateful:StatefulLayout"
+_STATEFUL_ENGINE = "batchspec.stateful:StatefulEngine"
 
 
 def _resolve(path: str) -> Any:
@@ -46,6 +49,9 @@ class Method:
     speculative: bool = True
     schedulers: tuple[str, ...] = ("static",)
     deliberately_wrong: bool = False
+    # Layout ("module:Class") for models with recurrent state; None: the method cannot run them.
+    stateful_layout: str | None = None
+    needs_state: bool = False  # only meaningful on a target with recurrent state
 
     @property
     def default_scheduler(self) -> str:
@@ -62,10 +68,10 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("ar", "plain decoding, one token per row per forward (the baseline)", _RAGGED,
-               speculative=False, schedulers=("static", "continuous")),
+               speculative=False, schedulers=("static", "continuous"), stateful_layout=_STATEFUL),
         Method("eqspec", "left-padded rectangle realigned after every round (the paper's EQSPEC)", _PADDED),
         Method("ragged", "per-row KV cursors: commit moves a cursor, nothing is ever realigned", _RAGGED,
-               schedulers=("continuous", "static")),
+               schedulers=("continuous", "static"), stateful_layout=_STATEFUL),
         Method("exspec", "sequence pool; each round runs a same-length group when one exists (the paper's EXSPEC)",
                _PADDED, engine="batchspec.exspec:ExspecEngine"),
         Method("naive-kv", "DELIBERATELY WRONG: rejected drafts' K/V stay in the cache",
@@ -74,6 +80,9 @@ METHODS: dict[str, Method] = {
                f"{_BROKEN}:SharedPositionLayout", deliberately_wrong=True),
         Method("naive-bonus", "DELIBERATELY WRONG: the token after a rejection is the drafter's",
                _RAGGED, engine=f"{_BROKEN}:DrafterBonusEngine", deliberately_wrong=True),
+        Method("naive-state", "DELIBERATELY WRONG: rollback as transformers' crop does it, recurrent state kept",
+               _RAGGED, engine=_STATEFUL_ENGINE, schedulers=("continuous", "static"),
+               deliberately_wrong=True, stateful_layout=f"{_BROKEN}:NaiveStateLayout", needs_state=True),
     )
 }
 
@@ -106,6 +115,30 @@ def build_engine(
         from .forensics.invariants import check_views
 
         checker = check_views
-    return method.engine_class()(
-        target, spec, method.layout_class(), stop_ids, draft_model=draft_model, drafter=drafter, checker=checker
+    engine, layout = _stateful_choice(method, target, draft_model)
+    return (engine or method.engine_class())(
+        target, spec, layout or method.layout_class(), stop_ids, draft_model=draft_model, drafter=drafter, checker=checker
     )
+
+
+def _stateful_choice(method: Method, target: torch.nn.Module, draft_model: torch.nn.Module | None) -> tuple[Any, Any]:
+    """(engine class, layout factory) when the target or the drafter has recurrent state, else (None, None).
+    Methods without a stateful layout are refused for such models with one line."""
+    from .config import BatchspecError
+    from .kv import is_stateful
+
+    stateful = [m for m in (target, draft_model) if m is not None and is_stateful(m)]
+    if method.needs_state and not is_stateful(target):
+        raise BatchspecError(f"method {method.name} breaks recurrent state on purpose: it needs a target with recurrent state")
+    if not stateful:
+        return None, None
+    kind = stateful[0].config.get_text_config().model_type
+    if method.stateful_layout is None:
+        able = ", ".join(name for name, m in METHODS.items() if m.stateful_layout and not m.deliberately_wrong)
+        raise BatchspecError(
+            f"method {method.name} cannot decode {kind} (recurrent state: pad tokens and realignment would enter it); "
+            f"use {able}"
+        )
+    from .stateful import layouts_per_model
+
+    return _resolve(_STATEFUL_ENGINE), layouts_per_model(method.layout_class(), _resolve(method.stateful_layout))
