@@ -86,7 +86,7 @@ def test_oracle_matches_transformers_generate(arch):
 # ---- exactness ---------------------------------------------------------------------------------------
 
 
-@settings(max_examples=24)
+@settings(max_examples=30)
 @given(
     arch=st.sampled_from(ARCHS),
     draft_kind=st.sampled_from(["stateful", "attention"]),
@@ -118,7 +118,7 @@ def test_model_drafter_matches_oracle(arch, draft_kind, method, continuous, batc
     assert engine.stats.extra["state_time"] > 0
 
 
-@settings(max_examples=16)
+@settings(max_examples=20)
 @given(
     arch=st.sampled_from(ARCHS),
     batch_size=st.integers(1, 8),

@@ -84,33 +84,31 @@ def check_layout(
 
 def _differs(cached: torch.Tensor, fresh: torch.Tensor) -> float | None:
     """The max abs error when `cached` is not `fresh` within tolerance, else None."""
+    tolerance = _tolerance(cached.dtype)
     cached, fresh = cached.float(), fresh.to(cached.device).float()
     err = (cached - fresh).abs().max().item() if cached.shape == fresh.shape else float("inf")
-    return err if err > _tolerance(cached.dtype if cached.dtype != torch.float32 else fresh.dtype) * (
-        1.0 + fresh.abs().max().item()
-    ) else None
+    return err if err > tolerance * (1.0 + fresh.abs().max().item()) else None
 
 
 def _stateful_row_problem(layout: StatefulLayout, row: int, prefix: list[int]) -> str | None:
     """What is wrong with one row of a stateful layout, if anything: its committed states against a
-    fresh forward over the committed tokens (a prefix of `prefix`), and its attention K/V against a
-    fresh forward over `prefix`."""
+    fresh forward over the committed tokens (a prefix of `prefix`: a drafter commits lazily), and its
+    attention K/V against a fresh forward over `prefix`."""
     count, states = layout.committed_state(row)
     if count > len(prefix):
         return f"state of {count} tokens committed but only {len(prefix)} are known to be right"
+    kv, fresh = prefix_state(layout.model, prefix) if prefix else (None, {})
     if count == 0:
-        if any(bool(t.any()) for t in states.values()):
-            return "a row with nothing committed does not hold the zero state"
-    else:
-        _, fresh = prefix_state(layout.model, prefix[:count])
-        for key, want in fresh.items():
-            if key not in states:
-                return f"no committed {key[1]} state for layer {key[0]}"
-            err = _differs(states[key], want)
-            if err is not None:
-                return (f"committed {key[1]} state of layer {key[0]} differs from a fresh forward of the "
-                        f"committed prefix (max abs error {err:.3g})")
-    kv, _ = prefix_state(layout.model, prefix) if prefix else (None, {})
+        fresh = {key: torch.zeros_like(value) for key, value in states.items()}
+    elif count < len(prefix):
+        fresh = prefix_state(layout.model, prefix[:count])[1]
+    for key, want in fresh.items():
+        if key not in states:
+            return f"no committed {key[1]} state for layer {key[0]}"
+        err = _differs(states[key], want)
+        if err is not None:
+            return (f"committed {key[1]} state of layer {key[0]} differs from a fresh forward of the committed "
+                    f"prefix of {count} tokens (max abs error {err:.3g})")
     if kv is not None:
         err = _differs(layout.store.row_kv(row, 0, len(prefix)), kv)
         if err is not None:
