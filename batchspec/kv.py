@@ -229,8 +229,16 @@ def new_dynamic_cache(model: torch.nn.Module) -> DynamicCache:
 @torch.inference_mode()
 def forward_plain(model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
     """Plain batch-1 forward on the library's own cache and masks (the oracle's path).
-    Returns the last position's logits [1, vocab] in float32."""
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    Returns the last position's logits [1, vocab] in float32.
+
+    Position ids run on from the cache's length, as `generate` passes them: without them some models
+    (Bamba) restart positions at 0 in every cached forward. Caches without attention layers have no
+    length (nor any use for positions)."""
+    extra: dict[str, torch.Tensor] = {}
+    if any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
+        start = cache.get_seq_length()
+        extra["position_ids"] = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **extra)
     return out.logits[:, -1].float()
 
 
@@ -266,7 +274,16 @@ def prefix_kv(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
 # Architectures whose recurrent layers were checked on transformers 5.24 / torch 2.13 CPU
 # (docs/stateful.md): a prefill plus multi-token and single-token cached forwards on the model's own
 # cache reproduce one full forward, and the layer types below are all they contain.
-STATEFUL_ARCHITECTURES = ("mamba2", "qwen3_next", "falcon_h1")
+STATEFUL_ARCHITECTURES = (
+    "mamba2",  # pure state space (Mamba2 mixers)
+    "qwen3_next",  # Gated DeltaNet + attention (the SpecLA family)
+    "qwen3_5_text",  # Gated DeltaNet + attention
+    "olmo_hybrid",  # Gated DeltaNet + attention
+    "falcon_h1",  # attention and a Mamba2 mixer side by side in every layer
+    "granitemoehybrid",  # Mamba2 + attention (Granite 4)
+    "bamba",  # Mamba2 + attention
+    "lfm2",  # short convolutions (a conv state, no recurrent state) + attention
+)
 
 # Checked and found wrong on transformers 5.24 CPU: refused with the reason, never decoded.
 _STATEFUL_REFUSED = {
@@ -276,6 +293,10 @@ _STATEFUL_REFUSED = {
                     "(transformers 5.24), so a verification forward cannot be exact",
     "jamba": "its Mamba layers' multi-token cached forwards restart the SSM scan instead of continuing the "
              "cached state (transformers 5.24), so a verification forward cannot be exact",
+    "nemotron_h": "its Mamba2 layers clamp dt at time_step_min in multi-token forwards but not in single-token "
+                  "steps (transformers 5.24), so verification and plain decoding disagree",
+    "zamba2": "its single-token steps disagree with its multi-token forwards (dt clamped at time_step_min in one "
+              "path only, and more; transformers 5.24), so verification and plain decoding disagree",
 }
 
 _STATE_LAYER_TYPES = ("linear_attention", "conv", "hybrid")

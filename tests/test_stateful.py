@@ -1,6 +1,7 @@
-"""Targets with recurrent state (Mamba2, Qwen3-Next's Gated DeltaNet + attention, Falcon-H1's
-parallel attention + Mamba2): every row's tokens must equal plain decoding of that prompt alone on
-the model's own cache, whatever the batch, K, drafter, acceptance pattern, sampling or row reuse."""
+"""Targets with recurrent state (pure Mamba2; Gated DeltaNet + attention: Qwen3-Next, Qwen3.5, OLMo
+hybrid; Mamba2 + attention: Falcon-H1, Granite 4, Bamba; short convolutions + attention: LFM2): every
+row's tokens must equal plain decoding of that prompt alone on the model's own cache, whatever the
+batch, K, drafter, acceptance pattern, sampling or row reuse."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from tinyworld import VOCAB_SIZE, ScriptedDrafter, perturbed_copy, random_prompts, tiny_tokenizer
-from transformers import AutoModelForCausalLM, DynamicCache, JambaConfig, Lfm2Config, MambaConfig, NemotronHConfig
+from transformers import AutoModelForCausalLM, DynamicCache, JambaConfig, MambaConfig, MiniMaxConfig, NemotronHConfig
 
 from batchspec.cli import main
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
@@ -26,6 +27,7 @@ from batchspec.reference import greedy_decode, reference_decode
 from batchspec.stateful import TINY_STATEFUL_ARCHS, StatefulEngine, layouts_per_model, tiny_stateful_model
 
 ARCHS = list(TINY_STATEFUL_ARCHS)
+RECURRENT = [a for a in ARCHS if a != "lfm2"]  # LFM2's layers keep a convolution window only
 
 
 @functools.cache
@@ -175,7 +177,7 @@ def test_reused_rows_start_clean(arch):
 # ---- the deliberately wrong method and the checker ------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", RECURRENT)
 def test_naive_state_diverges_and_the_checker_names_it(arch):
     """Rolling back as transformers' `crop` does (recurrent state kept) corrupts outputs."""
     prompts = random_prompts(6, [3, 9, 5, 14, 2, 11], seed=11)
@@ -186,6 +188,13 @@ def test_naive_state_diverges_and_the_checker_names_it(arch):
     checked = SpecConfig(method="naive-state", num_draft_tokens=4, batch_size=4, check_invariants=True)
     with pytest.raises(InvariantError, match=r"(target|drafter): row \d+, round \d+: committed recurrent state of layer \d+ differs"):
         build_engine(target(arch), checked, draft_model=drafter(arch, "stateful")).generate(prompts, params)
+
+
+def test_naive_state_is_harmless_without_recurrent_state():
+    """`crop` does roll back convolution windows: on LFM2 (no recurrent state) the naive rollback is exact."""
+    prompts = random_prompts(4, [3, 9, 5, 11], seed=11)
+    params = SamplingParams(max_new_tokens=12)
+    assert_exact("lfm2", prompts, _naive_state_run("lfm2", prompts, params), params)
 
 
 def _naive_state_run(arch: str, prompts: list[list[int]], params: SamplingParams) -> list:
@@ -273,10 +282,10 @@ SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, pad_tok
     (lambda: _tiny(NemotronHConfig(layers_block_type=["mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
                                    head_dim=8, intermediate_size=64, ssm_state_size=8, mamba_num_heads=4,
                                    mamba_head_dim=8, n_groups=1, **SMALL)),
-     "nemotron_h: models with recurrent state are supported for mamba2, qwen3_next, falcon_h1 only"),
-    (lambda: _tiny(Lfm2Config(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, full_attn_idxs=[1],
-                              **SMALL)),
-     "lfm2: models with recurrent state are supported for"),
+     "nemotron_h: its Mamba2 layers clamp dt at time_step_min in multi-token forwards but not"),
+    (lambda: _tiny(MiniMaxConfig(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 num_local_experts=2, num_experts_per_tok=1, **SMALL)),
+     "minimax: models with recurrent state are supported for mamba2, qwen3_next, .*, lfm2 only"),
 ])
 def test_unsupported_stateful_architectures_are_refused(make, message):
     model = make()
