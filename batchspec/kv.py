@@ -299,8 +299,10 @@ _STATEFUL_REFUSED = {
               "path only, and more; transformers 5.24), so verification and plain decoding disagree",
 }
 
-_STATE_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
-_STATEFUL_LAYER_TYPES = ("full_attention", "dummy", *_STATE_LAYER_TYPES)
+# Cache layer types (transformers' names) that keep state instead of, or besides, K/V; and those a
+# stateful model may consist of here (a sliding-window hybrid would need a sliding K/V window).
+_STATE_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+_STATEFUL_LAYER_TYPES = ("full_attention", "dummy", "linear_attention", "conv", "hybrid")
 
 
 def _layer_types(model: torch.nn.Module) -> tuple[list[str], list[dict[str, Any]]]:
@@ -310,7 +312,7 @@ def _layer_types(model: torch.nn.Module) -> tuple[list[str], list[dict[str, Any]
 
 def is_stateful(model: torch.nn.Module) -> bool:
     """Whether some layer keeps a recurrent or convolution state instead of (or besides) K/V."""
-    return any(t in _STATE_LAYER_TYPES or t == "hybrid_sliding" for t in _layer_types(model)[0])
+    return any(t in _STATE_LAYER_TYPES for t in _layer_types(model)[0])
 
 
 def check_stateful(model: torch.nn.Module) -> None:
@@ -347,10 +349,6 @@ class _StateBuffer:
         self.working = first.new_zeros(shape)
         self.committed = first.new_zeros(shape)
         self.steps = first.new_zeros((0, *shape))
-
-    def rows(self) -> list[torch.Tensor]:
-        """Every tensor indexed by row (dimension 0, or 1 for the per-step snapshots)."""
-        return [self.working, self.committed]
 
 
 class StateStore:
@@ -449,10 +447,9 @@ class StateStore:
     @torch.inference_mode()
     def move_rows(self, dst: list[int], src: list[int]) -> None:
         for buf in self.buffers.values():
-            for tensor in buf.rows():
-                tensor[dst] = tensor[src]
-            if buf.steps.shape[0]:
-                buf.steps[:, dst] = buf.steps[:, src]
+            buf.working[dst] = buf.working[src]
+            buf.committed[dst] = buf.committed[src]
+            buf.steps[:, dst] = buf.steps[:, src]
 
     def committed(self, row: int) -> dict[StateKey, torch.Tensor]:
         """A row's committed states, keyed like `prefix_state`'s."""

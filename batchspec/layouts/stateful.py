@@ -67,7 +67,9 @@ class StatefulLayout(Layout):
                 row = slice(first + i, first + i + 1)
                 ids = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)
                 self._feed(row, ids, torch.zeros(1, dtype=torch.long, device=self.device), fresh=True, logits_to_keep=1)
+                start = time.perf_counter()
                 self.store.states.accept_working(torch.tensor([first + i], device=self.device))
+                self.state_time += time.perf_counter() - start
         last = torch.tensor([[p[-1]] for p in prompts], dtype=torch.long, device=self.device)
         # Rows of one-token prompts have no state yet; before any state exists, the step is a prefill.
         return self._step(slice(first, first + count), last, fresh=not self.store.states.allocated)[:, -1]
