@@ -386,21 +386,22 @@ class StateStore:
         """The working state of the addressed rows, or None when they start fresh."""
         if self._fresh or key not in self.buffers:
             return None
-        if key not in self._views:
-            working = self.buffers[key].working
-            self._views[key] = working[self._rows] if isinstance(self._rows, slice) else working.index_select(0, self._rows)
-        return self._views[key]
+        return self._view(key)
 
     def write(self, key: StateKey, value: torch.Tensor) -> torch.Tensor:
         if key not in self.buffers:
             self.buffers[key] = _StateBuffer(value, self.max_rows)
-        view = self._views.get(key)
-        if view is None:
-            working = self.buffers[key].working
-            view = working[self._rows] if isinstance(self._rows, slice) else working.index_select(0, self._rows)
-            self._views[key] = view
+        view = self._view(key)
         view.copy_(value)
         return view
+
+    def _view(self, key: StateKey) -> torch.Tensor:
+        """The same tensor for the whole forward (a mixer may update what it read in place): a view of
+        the working state for a slice of rows, a gathered copy (written back by `end`) for indices."""
+        if key not in self._views:
+            working, rows = self.buffers[key].working, self._rows
+            self._views[key] = working[rows] if isinstance(rows, slice) else working.index_select(0, rows)
+        return self._views[key]
 
     # ---- per-row bookkeeping (all buffers at once) ----------------------------------------------
     @torch.inference_mode()
@@ -537,7 +538,9 @@ class _HybridLayer(_StateLayer, _SlotLayer):
     """A layer with both attention K/V (in the SlotStore) and a recurrent state (Falcon-H1's
     parallel attention + Mamba2 layers)."""
 
-    def __init__(self, slots: SlotStore, attention_index: int, store: StateStore, layer: int, number_of_states: int) -> None:
+    def __init__(
+        self, slots: SlotStore, attention_index: int, store: StateStore, layer: int, number_of_states: int
+    ) -> None:
         _StateLayer.__init__(self, store, layer, number_of_states)
         self._store = slots
         self._layer_kv = attention_index
@@ -575,7 +578,9 @@ class StatefulSlotStore(SlotStore):
                 layers.append(DummyLayer())
         self.cache = Cache(layers=layers)
 
-    def attend(self, rows: slice | torch.Tensor, write_start: int | torch.Tensor, kv_len: int, fresh: bool = False) -> None:  # type: ignore[override]
+    def attend(  # type: ignore[override]
+        self, rows: slice | torch.Tensor, write_start: int | torch.Tensor, kv_len: int, fresh: bool = False
+    ) -> None:
         """As SlotStore.attend, plus the state addressing; `fresh` rows have no previous state."""
         super().attend(rows, write_start, kv_len)  # type: ignore[arg-type]
         self.states.begin(rows, fresh)
@@ -603,7 +608,9 @@ class StatefulSlotStore(SlotStore):
 
 
 @torch.inference_mode()
-def prefix_state(model: torch.nn.Module, token_ids: list[int]) -> tuple[torch.Tensor | None, dict[StateKey, torch.Tensor]]:
+def prefix_state(
+    model: torch.nn.Module, token_ids: list[int]
+) -> tuple[torch.Tensor | None, dict[StateKey, torch.Tensor]]:
     """What a fresh batch-1 forward over a prefix leaves in the model's own DynamicCache: the K/V of
     its attention layers stacked as [attention layers, 2, heads, len, dim] (None without any), and
     each stateful layer's states keyed like `StateStore.committed`."""

@@ -117,7 +117,8 @@ def build_engine(
         checker = check_views
     engine, layout = _stateful_choice(method, target, draft_model)
     return (engine or method.engine_class())(
-        target, spec, layout or method.layout_class(), stop_ids, draft_model=draft_model, drafter=drafter, checker=checker
+        target, spec, layout or method.layout_class(), stop_ids,
+        draft_model=draft_model, drafter=drafter, checker=checker,
     )
 
 
@@ -129,7 +130,9 @@ def _stateful_choice(method: Method, target: torch.nn.Module, draft_model: torch
 
     stateful = [m for m in (target, draft_model) if m is not None and is_stateful(m)]
     if method.needs_state and not is_stateful(target):
-        raise BatchspecError(f"method {method.name} breaks recurrent state on purpose: it needs a target with recurrent state")
+        raise BatchspecError(
+            f"method {method.name} breaks recurrent state on purpose: it needs a target with recurrent state"
+        )
     if not stateful:
         return None, None
     kind = stateful[0].config.get_text_config().model_type

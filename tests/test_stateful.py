@@ -186,7 +186,8 @@ def test_naive_state_diverges_and_the_checker_names_it(arch):
     wrong = sum(seq.generated != oracle(arch, tuple(p), params) for p, seq in zip(prompts, outputs))
     assert wrong == len(prompts)
     checked = SpecConfig(method="naive-state", num_draft_tokens=4, batch_size=4, check_invariants=True)
-    with pytest.raises(InvariantError, match=r"(target|drafter): row \d+, round \d+: committed recurrent state of layer \d+ differs"):
+    named = r"(target|drafter): row \d+, round \d+: committed recurrent state of layer \d+ differs"
+    with pytest.raises(InvariantError, match=named):
         build_engine(target(arch), checked, draft_model=drafter(arch, "stateful")).generate(prompts, params)
 
 
@@ -279,9 +280,9 @@ SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, pad_tok
     (lambda: _tiny(JambaConfig(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
                                attn_layer_offset=1, num_experts=1, mamba_d_state=4, **SMALL)),
      "jamba: its Mamba layers' multi-token cached forwards restart"),
-    (lambda: _tiny(NemotronHConfig(layers_block_type=["mamba", "attention"], num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=8, intermediate_size=64, ssm_state_size=8, mamba_num_heads=4,
-                                   mamba_head_dim=8, n_groups=1, **SMALL)),
+    (lambda: _tiny(NemotronHConfig(layers_block_type=["mamba", "attention"], num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, intermediate_size=64, ssm_state_size=8,
+                                   mamba_num_heads=4, mamba_head_dim=8, n_groups=1, **SMALL)),
      "nemotron_h: its Mamba2 layers clamp dt at time_step_min in multi-token forwards but not"),
     (lambda: _tiny(MiniMaxConfig(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                  num_local_experts=2, num_experts_per_tok=1, **SMALL)),

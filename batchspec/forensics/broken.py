@@ -100,7 +100,6 @@ class DrafterBonusEngine(Engine):
         return torch.cat([draft.tokens, tokens[:, k:]], dim=1), count
 
 
-
 class NaiveStateLayout(StatefulLayout):
     """`naive-state`: commits roll back K/V cursors and convolution windows, not recurrent states."""
 
