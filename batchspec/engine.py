@@ -250,7 +250,17 @@ class Engine:
             group = self.scheduler.select(self.running, self.stats.rounds)
             self._round(group)
             finished += self._retire()
+        self._count()
         return finished
+
+    def _count(self) -> None:
+        """Policy and layout running totals into stats.extra (EXSPEC grouping, time spent keeping
+        recurrent states, ...): the target's and the drafter's added up."""
+        totals = dict(self.scheduler.counters())
+        for counters in (self.home.counters(), self.drafter.counters() if self.drafter is not None else {}):
+            for name, value in counters.items():
+                totals[name] = totals.get(name, 0) + value
+        self.stats.extra.update(totals)
 
     def _free_rows(self) -> int:
         return self.home.store.max_rows - len(self.running) - (self.staging is not None)
@@ -340,7 +350,6 @@ class Engine:
         else:
             self.layout.commit(lengths)
         self.stats.rounds += 1
-        self.stats.extra.update(self.scheduler.counters())
         if self.checker is not None:
             self.checker(self._views(group), self.stats.rounds)
         t3 = _clock(self.target)

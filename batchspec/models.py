@@ -89,8 +89,10 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer in eval mode on ``device``.
 
-    ``source`` None means the bundled model for ``role`` ("target" or "draft"). SDPA attention is
-    forced so every engine sees the same attention kernel family (the equality tests rely on it).
+    ``source`` None means the bundled model for ``role`` ("target" or "draft"). Attention is
+    transformers' default, SDPA wherever the architecture has it (forcing "sdpa" would refuse
+    attention-free models such as Mamba2); engines and the oracle share the loaded model, so they
+    always see the same attention kernel.
     """
     torch_dtype = parse_dtype(dtype)
     try:
@@ -102,7 +104,7 @@ def load_model(
     label = source if source is not None else f"bundled {role} ({folder})"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True, **model_kwargs
+            folder, dtype=torch_dtype, local_files_only=True, **model_kwargs
         )
         tokenizer = _load_tokenizer(folder, gguf_file)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError/safetensors errors/...
