@@ -251,9 +251,10 @@ def test_audit_flags_naive_state_as_sync_errors():
     arch, max_new = "falcon_h1", 16
     prompts = random_prompts(4, [3, 9, 5, 12], seed=11)
     outputs = _naive_state_run(arch, prompts, SamplingParams(max_new_tokens=max_new))
-    # The margin is given: the audit's calibration measures our ragged/padded layouts, not the stateful one.
-    auditor = Auditor(target(arch), tiny_tokenizer(), max_new, margin=1e-3)
+    # the margin is calibrated on the stateful layout (left padding would enter the recurrent state)
+    auditor = Auditor(target(arch), tiny_tokenizer(), max_new)
     report = auditor.audit([AuditItem(str(i), p, o.generated) for i, (p, o) in enumerate(zip(prompts, outputs))])
+    assert list(report["calibration"]["noise"]) == ["stateful-verify"] and report["calibration"]["margin"] > 0
     assert [row["classification"] for row in report["rows"]] == [SYNC_ERROR] * len(prompts)
 
 
