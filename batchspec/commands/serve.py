@@ -38,13 +38,22 @@ def run(args: argparse.Namespace) -> int:
     listener = _listen(args.host, args.port)  # before the (slow) model loading: a taken port fails at once
     with listener:
         models = load_models(args, need_draft=spec.speculative)
-        name = args.served_model_name or (Path(config.target).name if config.target else "bundled")
+        name = args.served_model_name or _model_name(config.target)
         app = create_app(models, config, spec, ServeOptions(name, args.max_model_len, args.max_waiting, args.api_key))
         uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)).run(sockets=[listener])
     return 0
 
 
+def _model_name(target: str | None) -> str:
+    """A folder's name, a .gguf file's stem, or "bundled" for the bundled pair."""
+    if target is None:
+        return "bundled"
+    path = Path(target)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
 def _listen(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the models load, so a taken port costs nothing."""
     if not 0 <= port <= 65535:
         raise BatchspecError(f"--port must be in 0..65535, got {port}")
     try:
