@@ -548,6 +548,35 @@ def test_64_concurrent_requests_are_each_identical_to_decoding_alone(server, ora
     assert finished == 64  # each admitted request ended exactly once; the refused ones were never admitted
 
 
+@pytest.mark.parametrize("method, settings", [("ar", {}), ("eqspec", {}), ("exspec", {"window_size": 4}),
+                                              ("ragged", {"max_prefill_tokens": 3})])
+def test_every_method_and_chunked_prefill_serve_identical_outputs(models, chat_pair, oracle, method, settings) -> None:
+    """The other layouts and schedulers (static batches, EXSPEC's pool) and chunked prefill behind the
+    same server: 6 concurrent greedy and seeded requests on 2 rows, each equal to decoding it alone."""
+    spec = SpecConfig(method=method, num_draft_tokens=K, batch_size=2, **settings)
+    app = create_app(models, chat_pair, spec, ServeOptions(served_model_name=MODEL))
+    rng = random.Random(5)
+    prompts = [words(rng, rng.randint(3, 9)) for _ in range(6)]
+    plans = [(p, params(rng.randint(4, 16), 0.0 if i % 2 else 0.7, None if i % 2 else i)) for i, p in enumerate(prompts)]
+
+    async def everything(url: str) -> list:
+        api = async_client(url)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(api.completions.create(
+                model=MODEL, prompt=p, max_tokens=sp.max_new_tokens, temperature=sp.temperature, seed=sp.seed,
+                extra_body={"return_token_ids": True}) for p, sp in plans)), timeout=120)
+        finally:
+            await api.close()
+
+    with serving(app) as url:
+        replies = asyncio.run(everything(url))
+    for (prompt, sp), reply in zip(plans, replies):
+        ids = encode_prompt(models.tokenizer, prompt, chat_template=False)
+        assert extra(reply.choices[0])["token_ids"] == oracle(tuple(ids), sp), (method, prompt)
+    loop = app.state.engine_loop
+    assert loop.peak_running <= loop.rows == (4 if method == "exspec" else 2)
+
+
 def test_metrics_after_traffic_are_consistent(server) -> None:
     url, app = server
     client(url).completions.create(model=MODEL, prompt="the long water", max_tokens=20, temperature=0)
