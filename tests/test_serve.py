@@ -22,7 +22,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -353,7 +352,8 @@ def test_chat_needs_a_template(tiny_pair_dirs, models) -> None:
     app = make_app(load_pair(plain), plain, batch_size=1)
     with serving(app) as url:
         with pytest.raises(openai.BadRequestError, match="no chat template"):
-            client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the"}], max_tokens=2)
+            client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the"}],
+                                                max_tokens=2)
 
 
 def test_api_key(models, chat_pair) -> None:
@@ -557,7 +557,8 @@ def test_every_method_and_chunked_prefill_serve_identical_outputs(models, chat_p
     app = create_app(models, chat_pair, spec, ServeOptions(served_model_name=MODEL))
     rng = random.Random(5)
     prompts = [words(rng, rng.randint(3, 9)) for _ in range(6)]
-    plans = [(p, params(rng.randint(4, 16), 0.0 if i % 2 else 0.7, None if i % 2 else i)) for i, p in enumerate(prompts)]
+    plans = [(p, params(rng.randint(4, 16), 0.0 if i % 2 else 0.7, None if i % 2 else i))
+             for i, p in enumerate(prompts)]
 
     async def everything(url: str) -> list:
         api = async_client(url)
@@ -650,22 +651,22 @@ def test_server_refuses_what_it_cannot_serve(models, chat_pair) -> None:
 # ---- the real pair ---------------------------------------------------------------------------------
 @pytest.mark.real
 def test_real_pair_serves_a_streamed_chat_identical_to_generate() -> None:
-    from batchspec.bundled import bundled_installed
+    """The bundled pair behind the server: one streamed chat completion through the openai client
+    equals `LLM.generate` of the same prompt (ids, text, usage). Skipped without the pair; with
+    BATCHSPEC_REQUIRE_REAL=1 (CI) a missing pair fails."""
+    from test_real import pair  # the pair test_real.py loaded (cached): one copy of ~8 GB in memory
+
     from batchspec.llm import LLM
 
-    if not (bundled_installed("target") and bundled_installed("draft")):
-        if os.environ.get("BATCHSPEC_REQUIRE_REAL") == "1":
-            pytest.fail("bundled model pair not installed (run `make setup`)")
-        pytest.skip("bundled model pair not installed (run `make setup`)")
+    models = pair()
     before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(os.cpu_count() or 1)  # a 1.5B model wants every core
     try:
         config = ModelConfig()
         spec = SpecConfig(method="ragged", num_draft_tokens=5, batch_size=2)
-        pair = load_pair(config)
         prompt = "Write a Python function that returns the square of a number."
-        offline = LLM(config, spec, models=pair).generate(prompt, SamplingParams(max_new_tokens=12))[0]
-        app = create_app(pair, config, spec, ServeOptions(served_model_name="bundled", max_model_len=512))
+        offline = LLM(config, spec, models=models).generate(prompt, SamplingParams(max_new_tokens=12))[0]
+        app = create_app(models, config, spec, ServeOptions(served_model_name="bundled", max_model_len=512))
         with serving(app) as url:
             stream = client(url).chat.completions.create(
                 model="bundled", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
@@ -673,6 +674,7 @@ def test_real_pair_serves_a_streamed_chat_identical_to_generate() -> None:
             chunks = list(stream)
     finally:
         torch.set_num_threads(before)
+    assert offline.error is None and len(offline.token_ids) >= 8
     assert extra(chunks[0])["prompt_token_ids"] == offline.prompt_token_ids
     tokens = [t for c in chunks if c.choices for t in extra(c.choices[0]).get("token_ids", [])]
     assert tokens == offline.token_ids

@@ -7,7 +7,14 @@ import socket
 from pathlib import Path
 
 from ..config import BatchspecError, SpecConfig
-from .common import add_decoding_arguments, add_model_arguments, config_from_args, load_models, model_config, positive_int
+from .common import (
+    add_decoding_arguments,
+    add_model_arguments,
+    config_from_args,
+    load_models,
+    model_config,
+    positive_int,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -40,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         models = load_models(args, need_draft=spec.speculative)
         name = args.served_model_name or _model_name(config.target)
         app = create_app(models, config, spec, ServeOptions(name, args.max_model_len, args.max_waiting, args.api_key))
-        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)).run(sockets=[listener])
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        server.run(sockets=[listener])
     return 0
 
 

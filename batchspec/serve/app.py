@@ -100,7 +100,8 @@ class _Server:
 
     async def health(self) -> Response:
         if not self.loop.alive:
-            return APIError(503, self.loop.error or "the engine loop is not running", code="engine_unavailable").response()
+            message = self.loop.error or "the engine loop is not running"
+            return APIError(503, message, code="engine_unavailable").response()
         return JSONResponse({"status": "ok"})
 
     async def metrics_text(self) -> Response:

@@ -84,7 +84,9 @@ def scrape(url: str) -> dict[str, float]:
     return counters
 
 
-async def _one(client: openai.AsyncOpenAI, settings: BenchSettings, model: str, prompt: str, index: int) -> RequestResult:
+async def _one(
+    client: openai.AsyncOpenAI, settings: BenchSettings, model: str, prompt: str, index: int
+) -> RequestResult:
     result = RequestResult()
     common = {"model": model, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
               "stream": True, "stream_options": {"include_usage": True}}
@@ -209,7 +211,8 @@ def speculation(before: dict[str, float], after: dict[str, float]) -> dict:
     drafts = delta.get("vllm:spec_decode_num_drafts", 0.0)
     draft_tokens = delta.get("vllm:spec_decode_num_draft_tokens", 0.0)
     accepted = delta.get("vllm:spec_decode_num_accepted_tokens", 0.0)
-    positions = sorted((int(k[len(PER_POSITION) + 1 : -1]), v) for k, v in delta.items() if k.startswith(PER_POSITION + "["))
+    prefix = PER_POSITION + "["
+    positions = sorted((int(k[len(prefix) : -1]), v) for k, v in delta.items() if k.startswith(prefix))
     return {
         "drafts": int(drafts),
         "draft_tokens": int(draft_tokens),

@@ -99,7 +99,9 @@ class EngineLoop:
     requests wait for a row; more are refused (QueueFull) rather than queued without bound.
     """
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_model_len: int | None = None, max_waiting: int = 256) -> None:
+    def __init__(
+        self, engine: Engine, metrics: Metrics, max_model_len: int | None = None, max_waiting: int = 256
+    ) -> None:
         limit = engine.limit
         if max_model_len is None:
             max_model_len = min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
