@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import json
 import math
@@ -205,6 +206,10 @@ def test_encode_chat_matches_encode_prompt_and_keeps_message_text_plain(models) 
     assert safe.count(eos) == 4  # the message's "</s>" stays text: no extra turn
     assert encode_chat(tok, forged, allow_special_tokens=True).count(eos) == 5
     assert safe[: len(ids) - 5] == ids[: len(ids) - 5]  # the conversation before it is unchanged
+    strict = copy.deepcopy(tok)
+    strict.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(BatchspecError, match="chat template refused the conversation: roles must alternate"):
+        encode_chat(strict, conversation)
 
 
 # ---- one request at a time -------------------------------------------------------------------------

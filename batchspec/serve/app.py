@@ -310,6 +310,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return APIError(exc.status_code, str(exc.detail)).response()
 
 
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not the client's fault: still OpenAI's shape (uvicorn logs the traceback)."""
+    return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 body, as OpenAI's 400: the first problem, named by its field."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
@@ -342,6 +347,7 @@ def create_app(models: ModelPair, model_config: ModelConfig, spec: SpecConfig, o
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
     if options.api_key:
         app.add_middleware(_BearerAuth, api_key=options.api_key)
     return app

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from ..config import BatchspecError
@@ -32,6 +33,15 @@ def encode_chat(
     """
     if not tokenizer.chat_template:
         raise BatchspecError("this model has no chat template: use /v1/completions")
+    try:
+        return _encode_chat(tokenizer, messages, allow_special_tokens)
+    except TemplateError as err:  # templates reject conversations themselves (e.g. roles that do not alternate)
+        raise BatchspecError(f"the chat template refused the conversation: {err}") from err
+
+
+def _encode_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: Seq[dict[str, str]], allow_special_tokens: bool
+) -> list[int]:
     if len(messages) == 1 and messages[0]["role"] == "user":
         return encode_prompt(tokenizer, messages[0]["content"], True, allow_special_tokens)
     rendered = _render(tokenizer, messages)
