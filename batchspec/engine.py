@@ -186,10 +186,13 @@ class Engine:
         return bool(self.waiting or self.running or self.staging)
 
     # ---- memory -------------------------------------------------------------------------------
-    def reserve(self, rows: int, capacity: int) -> None:
-        """Allocate every layout once: `rows` sequences in flight (fewer if `max_kv_slots` cannot hold
-        them), `capacity` K/V slots each. Requests that need more are refused by `validate`."""
+    def reserve(self, rows: int | None, capacity: int) -> int:
+        """Allocate every layout once, `capacity` K/V slots per row, for `rows` sequences in flight
+        (None: as many as the policy uses: batch size, or EXSPEC's window), fewer if `max_kv_slots`
+        cannot hold them. Returns the rows granted. Requests that need more are refused by `validate`."""
         budget = self.spec.max_kv_slots
+        if rows is None:
+            rows = self.scheduler.window_size if self.scheduler.pooled else self.spec.batch_size
         if budget is not None:
             rows = min(rows, budget // capacity)
         if rows < 1:
@@ -210,6 +213,7 @@ class Engine:
                                             pool=RaggedLayout(self.draft_model, rows, capacity))
             else:
                 self.drafter = ModelDrafter(self.layout_class(self.draft_model, rows, capacity))
+        return rows
 
     # ---- offline ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:

@@ -115,10 +115,8 @@ class EngineLoop:
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
-        scheduler = engine.scheduler
-        wanted = scheduler.window_size if scheduler.pooled else engine.spec.batch_size
-        engine.reserve(wanted, engine.slots_for(0, SamplingParams(max_new_tokens=max_model_len)))
-        self.rows = engine.home.store.max_rows  # what reserve granted (max_kv_slots may cap it)
+        # as many rows as the policy uses, unless max_kv_slots caps them
+        self.rows = engine.reserve(None, engine.slots_for(0, SamplingParams(max_new_tokens=max_model_len)))
         self.peak_running = 0  # the most rows ever decoding at once (never above `rows`)
         self.error: str | None = None
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()

@@ -15,7 +15,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from ..config import BatchspecError
-from ..models import _special_spans, _tokenize, encode_prompt
+from ..models import special_spans, tokenize, encode_prompt
 
 # Stand in for message contents when the template is rendered alone, to find where each goes in the
 # rendered string; only ever searched for, never tokenized.
@@ -45,10 +45,10 @@ def _encode_chat(
     if len(messages) == 1 and messages[0]["role"] == "user":
         return encode_prompt(tokenizer, messages[0]["content"], True, allow_special_tokens)
     rendered = _render(tokenizer, messages)
-    forging = [i for i, m in enumerate(messages) if _special_spans(tokenizer, m["content"])]
+    forging = [i for i, m in enumerate(messages) if special_spans(tokenizer, m["content"])]
     if allow_special_tokens or not forging:
         # tokenized whole: pieces tokenized apart can merge differently at their seams
-        return _tokenize(tokenizer, rendered, split_special_tokens=False)
+        return tokenize(tokenizer, rendered, split_special_tokens=False)
     marked = _render(tokenizer, [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)])
     pieces, spans, at = [], [], 0
     for i, message in enumerate(messages):
@@ -65,7 +65,7 @@ def _encode_chat(
     # The template's own control tokens (found in its pieces alone, never in user text), in `rendered`.
     controls, at = [], 0
     for piece, (start, end) in zip([*pieces, marked], [*spans, (len(rendered), len(rendered))]):
-        controls += [(at + s, at + e) for s, e in _special_spans(tokenizer, piece)]
+        controls += [(at + s, at + e) for s, e in special_spans(tokenizer, piece)]
         at = end
     # Each forging message is tokenized with control-token parsing off, together with the template
     # text around it up to the template's nearest control tokens (no seam inside ordinary text).
@@ -80,10 +80,10 @@ def _encode_chat(
             regions.append([head, tail])
     ids, at = [], 0
     for head, tail in regions:
-        ids += _tokenize(tokenizer, rendered[at:head], split_special_tokens=False)
-        ids += _tokenize(tokenizer, rendered[head:tail], split_special_tokens=True)
+        ids += tokenize(tokenizer, rendered[at:head], split_special_tokens=False)
+        ids += tokenize(tokenizer, rendered[head:tail], split_special_tokens=True)
         at = tail
-    return ids + _tokenize(tokenizer, rendered[at:], split_special_tokens=False)
+    return ids + tokenize(tokenizer, rendered[at:], split_special_tokens=False)
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Seq[dict[str, str]]) -> str:
