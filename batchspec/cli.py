@@ -19,6 +19,8 @@ COMMANDS = {
     "audit": "Audit any run's outputs against plain greedy decoding; classify divergences.",
     "verify-distribution": "Chi-square test: speculative sampling vs plain sampling.",
     "prepare": "Join, verify and convert the bundled model pair once (run by `make setup`).",
+    "serve": "Serve an OpenAI-compatible API (completions, chat, streaming, /metrics).",
+    "bench-serve": "Benchmark a running server with the openai client: throughput, TTFT, TPOT, ITL, acceptance.",
 }
 EPILOG = """examples:
   batchspec generate --prompts prompts.jsonl --output out.jsonl --verify
@@ -26,6 +28,8 @@ EPILOG = """examples:
   batchspec audit --prompts prompts.jsonl --outputs out.jsonl --report audit.json
   batchspec verify-distribution --samples 400
   batchspec prepare
+  batchspec serve --port 8000
+  batchspec bench-serve --base-url http://127.0.0.1:8000/v1 --concurrency 4
 
 `batchspec <command> --help` lists a command's options."""
 

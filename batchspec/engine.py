@@ -196,10 +196,13 @@ class Engine:
         return bool(self.waiting or self.running or self.staging)
 
     # ---- memory -------------------------------------------------------------------------------
-    def reserve(self, rows: int, capacity: int) -> None:
-        """Allocate every layout once: `rows` sequences in flight (fewer if `max_kv_slots` cannot hold
-        them), `capacity` K/V slots each. Requests that need more are refused by `validate`."""
+    def reserve(self, rows: int | None, capacity: int) -> int:
+        """Allocate every layout once, `capacity` K/V slots per row, for `rows` sequences in flight
+        (None: as many as the policy uses: batch size, or EXSPEC's window), fewer if `max_kv_slots`
+        cannot hold them. Returns the rows granted. Requests that need more are refused by `validate`."""
         budget = self.spec.max_kv_slots
+        if rows is None:
+            rows = self.scheduler.window_size if self.scheduler.pooled else self.spec.batch_size
         if budget is not None:
             rows = min(rows, budget // capacity)
         if rows < 1:
@@ -231,6 +234,7 @@ class Engine:
         if self.spec.speculative and self.spec.speculation == "adaptive" and self.costs is None:
             self.costs = measured_costs(self.target, self.draft_model, min(rows, self.spec.batch_size), self.k)
         self.speculation = make_speculation(self.spec.speculation if self.spec.speculative else "fixed", self.k, self.costs)
+        return rows
 
     # ---- offline ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
@@ -271,7 +275,17 @@ class Engine:
             group = self.scheduler.select(self.running, self.stats.rounds)
             self._round(group)
             finished += self._retire()
+        self._count()
         return finished
+
+    def _count(self) -> None:
+        """Policy and layout running totals into stats.extra (EXSPEC grouping, time spent keeping
+        recurrent states, ...): the target's and the drafter's added up."""
+        totals = dict(self.scheduler.counters())
+        for counters in (self.home.counters(), self.drafter.counters() if self.drafter is not None else {}):
+            for name, value in counters.items():
+                totals[name] = totals.get(name, 0) + value
+        self.stats.extra.update(totals)
 
     def _free_rows(self) -> int:
         return self.home.store.max_rows - len(self.running) - (self.staging is not None)
@@ -377,7 +391,6 @@ class Engine:
         else:
             self.layout.commit(lengths)
         self.stats.rounds += 1
-        self.stats.extra.update(self.scheduler.counters())
         if self.checker is not None:
             self.checker(self._views(group), self.stats.rounds)
         t3 = wall_clock(self.target)

@@ -10,7 +10,7 @@ stays importable from `config.py` without torch, and the deliberately wrong meth
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .costs import Costs
     from .drafters import Drafter
     from .engine import Engine
+    from .layouts import Layout
 
 SCHEDULERS = ("static", "continuous", "pool")
 
@@ -28,6 +29,8 @@ _RAGGED = "batchspec.layouts.ragged:RaggedLayout"
 _PADDED = "batchspec.layouts.padded:PaddedLayout"
 _ENGINE = "batchspec.engine:Engine"
 _BROKEN = "batchspec.forensics.broken"
+# Models with recurrent state (SSM / linear-attention layers) keep their rows in this layout.
+_STATEFUL = "batchspec.layouts.stateful:StatefulLayout"
 
 
 def _resolve(path: str) -> Any:
@@ -47,6 +50,9 @@ class Method:
     speculative: bool = True
     schedulers: tuple[str, ...] = ("static",)
     deliberately_wrong: bool = False
+    # Layout ("module:Class") for models with recurrent state; None: the method cannot run them.
+    stateful_layout: str | None = None
+    needs_state: bool = False  # only meaningful on a target with recurrent state
 
     @property
     def default_scheduler(self) -> str:
@@ -63,10 +69,10 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("ar", "plain decoding, one token per row per forward (the baseline)", _RAGGED,
-               speculative=False, schedulers=("static", "continuous")),
+               speculative=False, schedulers=("static", "continuous"), stateful_layout=_STATEFUL),
         Method("eqspec", "left-padded rectangle realigned after every round (the paper's EQSPEC)", _PADDED),
         Method("ragged", "per-row KV cursors: commit moves a cursor, nothing is ever realigned", _RAGGED,
-               schedulers=("continuous", "static")),
+               schedulers=("continuous", "static"), stateful_layout=_STATEFUL),
         Method("exspec", "sequence pool; each round runs a same-length group when one exists (the paper's EXSPEC)",
                _PADDED, schedulers=("pool",)),
         Method("naive-kv", "DELIBERATELY WRONG: rejected drafts' K/V stay in the cache",
@@ -75,6 +81,9 @@ METHODS: dict[str, Method] = {
                f"{_BROKEN}:SharedPositionLayout", deliberately_wrong=True),
         Method("naive-bonus", "DELIBERATELY WRONG: the token after a rejection is the drafter's",
                _RAGGED, engine=f"{_BROKEN}:DrafterBonusEngine", deliberately_wrong=True),
+        Method("naive-state", "DELIBERATELY WRONG: rollback as transformers' crop does it, recurrent state kept",
+               _RAGGED, schedulers=("continuous", "static"),
+               deliberately_wrong=True, stateful_layout=f"{_BROKEN}:NaiveStateLayout", needs_state=True),
     )
 }
 
@@ -100,16 +109,51 @@ def build_engine(
     drafter: Drafter | None = None,
     costs: Costs | None = None,
 ) -> Engine:
-    """The engine for `spec.method`, with the method's layout, and the per-round invariant checker
-    injected when `spec.check_invariants` asks for it (the engine itself knows nothing of forensics).
-    `costs`: the cost model adaptive speculation decides on (None: measured when first needed)."""
+    """The engine for `spec.method`, with the method's layout (its stateful layout for a model with
+    recurrent state), and the per-round invariant checker injected when `spec.check_invariants` asks
+    for it (the engine itself knows nothing of forensics). `costs`: the cost model adaptive
+    speculation decides on (None: measured when first needed)."""
     method = METHODS[spec.method]
     checker = None
     if spec.check_invariants:
         from .forensics.invariants import check_views
 
         checker = check_views
+    layout = _stateful_layouts(method, spec, target, draft_model) or method.layout_class()
     return method.engine_class()(
-        target, spec, method.layout_class(), stop_ids, draft_model=draft_model, drafter=drafter, checker=checker,
-        costs=costs,
+        target, spec, layout, stop_ids, draft_model=draft_model, drafter=drafter, checker=checker, costs=costs,
     )
+
+
+def _stateful_layouts(
+    method: Method, spec: SpecConfig, target: torch.nn.Module, draft_model: torch.nn.Module | None
+) -> Callable[[torch.nn.Module, int, int], Layout] | None:
+    """When the target or the drafter has recurrent state, a layout factory (called like a Layout
+    class) that puts each stateful model on the method's stateful layout and any other model on its
+    usual one (an attention drafter of a stateful target keeps its cursors); else None. Methods
+    without a stateful layout are refused for such models with one line."""
+    from .config import BatchspecError
+    from .kv import is_stateful
+
+    stateful = [m for m in (target, draft_model) if m is not None and is_stateful(m)]
+    if method.needs_state and not is_stateful(target):
+        raise BatchspecError(
+            f"method {method.name} breaks recurrent state on purpose: it needs a target with recurrent state"
+        )
+    if not stateful:
+        return None
+    kind = stateful[0].config.get_text_config().model_type
+    if method.stateful_layout is None:
+        able = ", ".join(name for name, m in METHODS.items() if m.stateful_layout and not m.deliberately_wrong)
+        raise BatchspecError(
+            f"method {method.name} cannot decode {kind} (recurrent state: pad tokens and realignment would enter it); "
+            f"use {able}"
+        )
+    if spec.max_prefill_tokens is not None:
+        raise BatchspecError(f"chunked prefill (max_prefill_tokens) is not supported for {kind} (recurrent state) yet")
+    plain, with_state = method.layout_class(), _resolve(method.stateful_layout)
+
+    def make(model: torch.nn.Module, max_rows: int, capacity: int) -> Layout:
+        return (with_state if is_stateful(model) else plain)(model, max_rows, capacity)
+
+    return make

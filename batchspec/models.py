@@ -89,8 +89,10 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer in eval mode on ``device``.
 
-    ``source`` None means the bundled model for ``role`` ("target" or "draft"). SDPA attention is
-    forced so every engine sees the same attention kernel family (the equality tests rely on it).
+    ``source`` None means the bundled model for ``role`` ("target" or "draft"). Attention is
+    transformers' default, SDPA wherever the architecture has it (forcing "sdpa" would refuse
+    attention-free models such as Mamba2); engines and the oracle share the loaded model, so they
+    always see the same attention kernel.
     """
     torch_dtype = parse_dtype(dtype)
     try:
@@ -102,7 +104,7 @@ def load_model(
     label = source if source is not None else f"bundled {role} ({folder})"
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True, **model_kwargs
+            folder, dtype=torch_dtype, local_files_only=True, **model_kwargs
         )
         tokenizer = _load_tokenizer(folder, gguf_file)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError/safetensors errors/...
@@ -208,14 +210,16 @@ def _render_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def _special_spans(tokenizer: PreTrainedTokenizerBase, text: str) -> list[tuple[int, int]]:
+def special_spans(tokenizer: PreTrainedTokenizerBase, text: str) -> list[tuple[int, int]]:
     """Character spans of `text` that the tokenizer turns into special (control) tokens."""
     special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return [tuple(span) for i, span in zip(enc["input_ids"], enc["offset_mapping"]) if i in special]
 
 
-def _tokenize(tokenizer: PreTrainedTokenizerBase, text: str, split_special_tokens: bool) -> list[int]:
+def tokenize(tokenizer: PreTrainedTokenizerBase, text: str, split_special_tokens: bool) -> list[int]:
+    """Ids of `text` with no special tokens added; `split_special_tokens` reads spelled control tokens
+    (e.g. `<|im_end|>`) as plain text."""
     if not text:
         return []
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens)["input_ids"])
@@ -242,25 +246,25 @@ def encode_prompt(
     if not (chat_template and tokenizer.chat_template):
         return list(tokenizer.encode(text, split_special_tokens=not allow_special_tokens))
     rendered = _render_chat(tokenizer, text)
-    ids = _tokenize(tokenizer, rendered, split_special_tokens=False)
+    ids = tokenize(tokenizer, rendered, split_special_tokens=False)
     if allow_special_tokens:
         return ids
     prefix, found, suffix = _render_chat(tokenizer, _PROMPT_PLACEHOLDER).partition(_PROMPT_PLACEHOLDER)
     if not (found and rendered.startswith(prefix) and rendered.endswith(suffix)
             and len(prefix) + len(suffix) <= len(rendered)):
         # the template transforms the text beyond trimming, so its place in `rendered` is unknown
-        if _special_spans(tokenizer, text):
+        if special_spans(tokenizer, text):
             raise BatchspecError("the prompt spells control tokens and this model's chat template does not insert "
                                  "prompts verbatim, so they cannot be kept as text: pass --allow-special-tokens "
                                  "or --no-chat-template")
         return ids
     start, end = len(prefix), len(rendered) - len(suffix)
-    if not any(s < end and e > start for s, e in _special_spans(tokenizer, rendered)):
+    if not any(s < end and e > start for s, e in special_spans(tokenizer, rendered)):
         return ids
-    head = max((e for _, e in _special_spans(tokenizer, prefix)), default=0)
-    tail = end + min((s for s, _ in _special_spans(tokenizer, suffix)), default=len(suffix))
+    head = max((e for _, e in special_spans(tokenizer, prefix)), default=0)
+    tail = end + min((s for s, _ in special_spans(tokenizer, suffix)), default=len(suffix))
     return (
-        _tokenize(tokenizer, rendered[:head], split_special_tokens=False)
-        + _tokenize(tokenizer, rendered[head:tail], split_special_tokens=True)
-        + _tokenize(tokenizer, rendered[tail:], split_special_tokens=False)
+        tokenize(tokenizer, rendered[:head], split_special_tokens=False)
+        + tokenize(tokenizer, rendered[head:tail], split_special_tokens=True)
+        + tokenize(tokenizer, rendered[tail:], split_special_tokens=False)
     )

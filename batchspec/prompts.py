@@ -52,18 +52,29 @@ def detect_format(path: Path, lines: list[bytes]) -> str:
     return "jsonl" if first.startswith(b"{") else "text"
 
 
-def _read_lines(path: Path) -> list[bytes]:
-    """The file's lines as bytes, without a leading UTF-8 byte order mark (which would otherwise
-    become part of the first prompt, or make its JSON invalid)."""
+def read_lines(path: Path, what: str = "prompts") -> list[bytes]:
+    """A JSONL or text file's lines as bytes, without a leading UTF-8 byte order mark (which would
+    otherwise become part of the first line, or make its JSON invalid). `what` names the file in
+    errors ("prompts", "outputs")."""
     if path.is_dir():
-        raise BatchspecError(f"prompts path is a directory, not a file: {path}")
+        raise BatchspecError(f"{what} path is a directory, not a file: {path}")
     if not path.exists():
-        raise BatchspecError(f"prompts file not found: {path}")
+        raise BatchspecError(f"{what} file not found: {path}")
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise BatchspecError(f"cannot read prompts file {path}: {err.strerror}") from None
+        raise BatchspecError(f"cannot read {what} file {path}: {err.strerror}") from None
     return data.removeprefix(codecs.BOM_UTF8).splitlines()
+
+
+def decode_line(raw: bytes, number: int) -> tuple[str | None, str | None]:
+    """(text, None), or (None, why) when line `number` (1-based) is not valid UTF-8: one bad line
+    costs that line only."""
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as err:
+        where = f"byte 0x{raw[err.start]:02x} at column {err.start + 1}"
+        return None, f"line {number} is not valid UTF-8 ({where})"
 
 
 def load_prompts(path: str | Path, fmt: str = "auto") -> list[PromptRecord]:
@@ -74,16 +85,14 @@ def load_prompts(path: str | Path, fmt: str = "auto") -> list[PromptRecord]:
     if fmt not in FORMATS:
         raise BatchspecError(f"unknown prompts format {fmt!r}; choose one of {', '.join(FORMATS)}")
     path = Path(path)
-    lines = _read_lines(path)
+    lines = read_lines(path)
     if fmt == "auto":
         fmt = detect_format(path, lines)
     records = []
     for i, raw in enumerate(lines):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            where = f"byte 0x{raw[err.start]:02x} at column {err.start + 1}"
-            records.append(PromptRecord(str(i), "", error=f"line {i + 1} is not valid UTF-8 ({where})"))
+        line, error = decode_line(raw, i + 1)
+        if line is None:
+            records.append(PromptRecord(str(i), "", error=error))
             continue
         if not line.strip():
             continue

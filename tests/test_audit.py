@@ -200,7 +200,7 @@ def test_cli_writes_reports_reuses_the_oracle_cache_and_keeps_bad_rows(
         assert key in row
     errors = {r["id"]: r["error"] for r in data["rows"] if r["error"]}
     assert "no output" in errors["p0"] and "no prompt" in errors["ghost"] and "invalid JSON" in errors["line 7"]
-    assert "not UTF-8" in errors["line 8"]
+    assert "is not valid UTF-8" in errors["line 8"]
     assert "# batchspec audit" in markdown.read_text() and cache.is_file()
 
     def no_oracle(*args, **kwargs):

@@ -26,7 +26,7 @@ def test_read_outputs_turns_every_bad_line_into_an_error_item(tmp_path: Path) ->
     path.write_bytes(b"\n".join(lines) + b"\n")
     items = {i.id: i for i in read_outputs(path)}
     assert items["a"].token_ids == [3, 4] and items["a"].error is None
-    assert "not UTF-8" in items["line 2"].error
+    assert items["line 2"].error == "line 2 is not valid UTF-8 (byte 0xe9 at column 25)"
     assert "invalid JSON on line 4" in items["line 4"].error
     assert "not a JSON object" in items["line 5"].error and "no `id`" in items["line 6"].error
     assert "neither" in items["c"].error and "prompt too long" in items["d"].error

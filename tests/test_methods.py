@@ -21,7 +21,7 @@ def test_every_method_resolves_to_a_layout_and_an_engine():
         assert issubclass(method.engine_class(), Engine)
         assert method.default_scheduler in method.schedulers
     assert correct_methods() == ["ar", "eqspec", "ragged", "exspec"]
-    assert wrong_methods() == ["naive-kv", "naive-positions", "naive-bonus"]
+    assert wrong_methods() == ["naive-kv", "naive-positions", "naive-bonus", "naive-state"]
 
 
 def test_one_default_scheduler_everywhere():

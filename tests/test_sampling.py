@@ -17,7 +17,7 @@ from batchspec.cli import main as cli_main
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.drafters import Draft, Drafter, ModelDrafter, Picker, pick_argmax
 from batchspec.methods import build_engine
-from batchspec.layouts import make_layout
+from batchspec.layouts import PaddedLayout, RaggedLayout
 from tinyworld import tiny_model
 from batchspec.reference import greedy_decode, reference_decode
 from batchspec.sequence import Sequence
@@ -236,7 +236,7 @@ def test_coupled_is_drafter_independent(method):
     spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=4)
     scripted = ScriptedDrafter({tuple(p): e for p, e in zip(prompts, expected)}, [1.0, 0.6, 0.0], VOCAB, seed=5)
     assert run(target, prompts, params, spec, drafter=scripted) == expected
-    adversarial = AdversarialDrafter(ModelDrafter(make_layout("ragged" if method == "ragged" else "padded", draft, 4, 64)))
+    adversarial = AdversarialDrafter(ModelDrafter((RaggedLayout if method == "ragged" else PaddedLayout)(draft, 4, 64)))
     assert run(target, prompts, params, spec, drafter=adversarial) == expected
 
 

@@ -176,22 +176,21 @@ def parse_methods(text: str, batch_sizes: list[int], prefill_chunks: list[int | 
     return unique
 
 
-def parse_prefill_chunks(text: str) -> list[int | None]:
-    """`--prefill-chunks`: comma-separated token counts, 0 meaning whole prompts (no chunking)."""
+def _int_list(text: str, option: str, minimum: int) -> list[int]:
+    """Comma-separated integers >= minimum, duplicates dropped, or one clear error naming `option`."""
     try:
-        chunks = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise BatchspecError(f"--prefill-chunks must be comma-separated integers, got {text!r}") from None
-    if not chunks or any(c < 0 for c in chunks):
-        raise BatchspecError(f"--prefill-chunks must list integers >= 0 (0 = whole prompts), got {text!r}")
-    return list(dict.fromkeys(c or None for c in chunks))
+        raise BatchspecError(f"{option} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise BatchspecError(f"{option} must list integers >= {minimum}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def parse_prefill_chunks(text: str) -> list[int | None]:
+    """`--prefill-chunks`: token counts, 0 meaning whole prompts (no chunking)."""
+    return list(dict.fromkeys(c or None for c in _int_list(text, "--prefill-chunks", 0)))
 
 
 def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BatchspecError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
-    if not sizes or any(b < 1 for b in sizes):
-        raise BatchspecError(f"--batch-sizes must list integers >= 1, got {text!r}")
-    return list(dict.fromkeys(sizes))
+    return _int_list(text, "--batch-sizes", 1)

@@ -6,7 +6,7 @@ import argparse
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import ModelConfig, SamplingParams, SpecConfig
 from ..llm import LLM
@@ -14,6 +14,9 @@ from ..models import ModelPair, encode_prompt, load_pair
 from ..prompts import FORMATS
 
 C = TypeVar("C")
+
+if TYPE_CHECKING:
+    from ..ray import RayLLM
 
 
 def finite_float(text: str) -> float:
@@ -108,3 +111,27 @@ def prompt_encoder(args: argparse.Namespace, models: ModelPair) -> Callable[[str
 
 def make_llm(args: argparse.Namespace, models: ModelPair, spec: SpecConfig) -> LLM:
     return LLM(model_config(args), spec=spec, models=models)
+
+
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ray (scale-out; needs `pip install batchspec[ray]`)")
+    g.add_argument("--ray", action="store_true", help="decode on a Ray cluster, one engine per worker")
+    g.add_argument("--ray-address", help="auto: the cluster `ray start` runs on this node; HOST:6379: that cluster's "
+                   "head (default: start a local cluster)")
+    g.add_argument("--ray-workers", type=int, default=1, help="actors, each with its own models loaded once")
+    g.add_argument("--ray-batch-rows", type=int, help="prompts per call to a worker (default: enough calls to "
+                   "keep every worker busy, at most 64 prompts each)")
+    g.add_argument("--ray-cpus-per-worker", type=float, default=1, help="CPUs Ray reserves for each worker "
+                   "(torch uses as many threads)")
+    g.add_argument("--ray-gpus-per-worker", type=float, default=0, help="GPUs Ray reserves for each worker "
+                   "(with --device cuda)")
+
+
+def make_ray_llm(args: argparse.Namespace, spec: SpecConfig) -> RayLLM:
+    """The cluster counterpart of make_llm: same `stream` and `stats`, no models loaded here.
+    Ray is imported only now, so commands without --ray never load it."""
+    from ..ray import RayLLM
+
+    return RayLLM(model_config(args), spec, workers=args.ray_workers, address=args.ray_address,
+                  rows_per_call=args.ray_batch_rows, num_cpus=args.ray_cpus_per_worker,
+                  num_gpus=args.ray_gpus_per_worker)

@@ -22,14 +22,15 @@ from .common import (
     add_decoding_arguments,
     add_model_arguments,
     add_prompt_format_argument,
+    add_ray_arguments,
     add_sampling_arguments,
     load_models,
     make_llm,
+    make_ray_llm,
     model_config,
     params_for,
     positive_int,
     config_from_args,
-    prompt_encoder,
 )
 from .outputs import ResumableOutput
 
@@ -46,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_decoding_arguments(p)
     add_sampling_arguments(p)
+    add_ray_arguments(p)
 
 
 def summarize(outputs: list[RequestOutput], wall: float) -> dict:
@@ -80,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         _check_resumable(args, records)
     spec = resolve_drafter(model_config(args), config_from_args(SpecConfig, args))
     params = params_for(args, len(records))  # validated before the (slow) model loading
+    if args.ray and args.verify:
+        raise BatchspecError("--verify decodes every prompt again on this machine; with --ray, run "
+                             "`batchspec audit` on the output instead")
     # the output is opened (path checked, lock taken) before any decoding, so a bad path costs nothing
     with ResumableOutput(args.output, args.resume) if args.output else contextlib.nullcontext() as output:
         previous = output.previous if output else {}
@@ -161,21 +166,15 @@ def _decode(
     readable = [i for i in todo if records[i].error is None]
     if not readable:
         return decoded
-    models = load_models(args, need_draft=spec.needs_draft_model)
-    decoded.llm = make_llm(args, models, spec)
-    encode = prompt_encoder(args, models)
-    ids: dict[int, list[int]] = {}
-    for i in readable:
-        try:
-            ids[i] = encode(records[i].text)
-        except BatchspecError as err:
-            finished(RequestOutput(i, records[i].text, [], error=str(err)))
-    order = list(ids)
+    if args.ray:
+        decoded.llm = make_ray_llm(args, spec)
+    else:
+        decoded.llm = make_llm(args, load_models(args, need_draft=spec.needs_draft_model), spec)
     start = time.perf_counter()
-    with tqdm(total=len(order), desc=f"{spec.method} b{spec.batch_size}", unit="prompt", file=sys.stderr) as bar:
-        for out in decoded.llm.stream([ids[i] for i in order], [params[i] for i in order]):
-            out.index = order[out.index]
-            out.prompt = records[out.index].text
+    with tqdm(total=len(readable), desc=f"{spec.method} b{spec.batch_size}", unit="prompt", file=sys.stderr) as bar:
+        # text in: the LLM encodes it (chat template, control tokens) and refuses what it cannot serve
+        for out in decoded.llm.stream([records[i].text for i in readable], [params[i] for i in readable]):
+            out.index = readable[out.index]
             finished(out)
             bar.update(1)
     decoded.wall = time.perf_counter() - start

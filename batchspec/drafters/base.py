@@ -126,6 +126,10 @@ class Drafter(ABC):
     def save(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """Pool engines: write the round's rows back to pool rows `rows` after acceptance."""
 
+    def counters(self) -> dict[str, float]:
+        """Running totals for EngineStats.extra (its layouts' counters, for a model drafter)."""
+        return {}
+
     def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
         """What the invariant checker should verify of this drafter's state (nothing by default)."""
         return []

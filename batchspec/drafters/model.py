@@ -131,6 +131,9 @@ class ModelDrafter(Drafter):
     def discard_staged(self) -> None:
         self._home.discard_staged()
 
+    def counters(self) -> dict[str, float]:
+        return self._home.counters()
+
     def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
         """Its cached K/V must hold each row's tokens up to what it last fed (at most all but the
         last two, which the next round feeds again); its commits are lazy, so lengths are not pinned.

@@ -159,5 +159,8 @@ class HybridDrafter(Drafter):
     def save(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         self.model.save(rows, seqs)
 
+    def counters(self) -> dict[str, float]:
+        return self.model.counters()
+
     def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
         return self.model.views(seqs, sample_rows)

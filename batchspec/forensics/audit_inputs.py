@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BatchspecError
-from ..prompts import PromptRecord
-
-UTF8_BOM = b"\xef\xbb\xbf"
+from ..prompts import PromptRecord, decode_line, read_lines
 
 
 @dataclass
@@ -59,19 +57,11 @@ def read_outputs(path: str | Path) -> list[AuditItem]:
     Lines are split as bytes and decoded one at a time, so one line that is not UTF-8 costs that
     line only; a UTF-8 byte-order mark (Windows editors write one) is dropped.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise BatchspecError(f"outputs file not found: {path}")
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise BatchspecError(f"cannot read outputs file {path}: {err.strerror}") from None
     items = []
-    for i, raw in enumerate(data.removeprefix(UTF8_BOM).splitlines(), start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            items.append(AuditItem(f"line {i}", error=f"line {i} is not UTF-8 (byte {err.start + 1})"))
+    for i, raw in enumerate(read_lines(Path(path), "outputs"), start=1):
+        line, error = decode_line(raw, i)
+        if line is None:
+            items.append(AuditItem(f"line {i}", error=error))
             continue
         if not line.strip():
             continue

@@ -12,6 +12,9 @@ engine with exactly one thing broken:
   rejected or rows have different prompt lengths).
 - `naive-bonus`: at the first rejected draft the row emits the drafter's token instead of the
   target's correction (DSD's "bonus sampled from the draft").
+- `naive-state` (targets with recurrent state only): a rollback as transformers' own `crop` does it
+  (issue #49036): the attention K/V cursors and the convolution windows go back to the accepted
+  length, the recurrent state does not: it keeps every fed token, rejected drafts included.
 
 The method registry (`batchspec.methods`) names these classes; this module is imported only when
 one of these methods is built.
@@ -25,6 +28,7 @@ from ..drafters import Draft
 from ..engine import Engine
 from ..kv import SlotStore
 from ..layouts.ragged import RaggedLayout
+from ..layouts.stateful import StatefulLayout
 from ..sequence import Sequence
 
 
@@ -105,3 +109,12 @@ class DrafterBonusEngine(Engine):
         k = draft.tokens.shape[1]
         return torch.cat([draft.tokens, tokens[:, k:]], dim=1), count
 
+
+class NaiveStateLayout(StatefulLayout):
+    """`naive-state`: commits roll back K/V cursors and convolution windows, not recurrent states."""
+
+    def commit(self, lengths: torch.Tensor) -> None:
+        # The bug: the recurrent state after every fed token (rejected drafts included) survives the commit.
+        fed = self.store.states.working("recurrent")
+        super().commit(lengths)
+        self.store.states.overwrite(fed)

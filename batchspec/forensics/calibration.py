@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv import forward_left_padded, forward_plain, new_dynamic_cache
-from ..layouts import make_layout
+from ..kv import forward_left_padded, forward_plain, is_stateful, new_dynamic_cache
+from ..layouts import Layout, PaddedLayout, RaggedLayout
 from ..layouts.base import left_padded
+from ..layouts.stateful import StatefulLayout
 
 # A flip between two computations needs gap < |noise(oracle token)| + |noise(audited token)|, at most
 # twice the largest noise measured; the second factor of 2 covers batch shapes calibration missed.
@@ -54,11 +55,11 @@ def prefix_logits(model: torch.nn.Module, prefix: list[int]) -> torch.Tensor:
 
 
 def _verify_shaped_logits(
-    model: torch.nn.Module, kind: str, prefixes: list[list[int]], width: int
+    model: torch.nn.Module, layout_class: type[Layout], prefixes: list[list[int]], width: int
 ) -> torch.Tensor:
     """Last-position logits [b, vocab] when one of our layouts prefills all but `width` tokens of
     each prefix and then feeds the last `width` at once, as a verification round does."""
-    layout = make_layout(kind, model, len(prefixes), max(len(p) for p in prefixes))
+    layout = layout_class(model, len(prefixes), max(len(p) for p in prefixes))
     layout.prefill([p[:-width] for p in prefixes])
     tokens = torch.tensor([p[-width:] for p in prefixes], dtype=torch.long, device=layout.device)
     return layout.forward(tokens)[:, -1]
@@ -70,14 +71,21 @@ def calibrate_margin(model: torch.nn.Module, prefixes: list[list[int]]) -> Calib
     if not prefixes:
         return Calibration(dtype=dtype_name(model), margin=0.0, source="calibrated")
     single = torch.stack([prefix_logits(model, p) for p in prefixes])
-    device = next(model.parameters()).device
-    padded = forward_left_padded(model, *left_padded(prefixes, device))
-    noise = {"hf-left-padded": float((padded - single).abs().max())}
+    noise: dict[str, float] = {}
+    if is_stateful(model):  # left padding would enter the recurrent state: only our stateful layout runs it
+        layouts: dict[str, type[Layout]] = {"stateful": StatefulLayout}
+    else:
+        device = next(model.parameters()).device
+        padded = forward_left_padded(model, *left_padded(prefixes, device))
+        noise["hf-left-padded"] = float((padded - single).abs().max())
+        layouts = {"ragged": RaggedLayout, "padded": PaddedLayout}
     width = min(VERIFY_WIDTH, min(len(p) for p in prefixes) - 1)
     if width >= 1:
-        for kind in ("ragged", "padded"):
-            batched = _verify_shaped_logits(model, kind, prefixes, width)
+        for kind, layout_class in layouts.items():
+            batched = _verify_shaped_logits(model, layout_class, prefixes, width)
             noise[f"{kind}-verify"] = float((batched - single).abs().max())
+    if not noise:  # one-token prefixes only: nothing batched to measure
+        return Calibration(dtype=dtype_name(model), margin=0.0, source="calibrated", prefixes=len(prefixes))
     max_noise = max(noise.values())
     floor = torch.finfo(dtype).eps * float(single.abs().max())
     return Calibration(

@@ -8,15 +8,19 @@ ragged one). Checked here, independently of how the layout computed them:
   position: a clamped value would differ from the slot count without being wrong;
 - each row's committed length agrees with the engine's own count of that sequence's tokens;
 - for a sample of rows, the cached K/V of the committed prefix equal a fresh batch-1 forward of
-  that prefix on transformers' own DynamicCache, within a dtype-dependent tolerance.
+  that prefix on transformers' own DynamicCache, within a dtype-dependent tolerance;
+- for models with recurrent state (the stateful layout), the committed recurrent and convolution
+  states of a sampled row equal those a fresh forward over its committed prefix leaves in the model's
+  own cache (and the K/V of its attention layers are checked as above).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kv import prefix_kv
+from ..kv import prefix_kv, prefix_state
 from ..layouts import Layout, LayoutView
+from ..layouts.stateful import StatefulLayout
 
 
 class InvariantError(AssertionError):
@@ -65,6 +69,11 @@ def check_layout(
         prefix = prefixes[row]
         if len(prefix) > count:
             fail(row, f"asked to check {len(prefix)} tokens but only {count} are committed")
+        if isinstance(layout, StatefulLayout):
+            problem = _stateful_row_problem(layout, row, prefix)
+            if problem:
+                fail(row, problem)
+            continue
         if not prefix:
             continue
         cached = layout.store.row_kv(row, start, len(prefix)).float()
@@ -73,6 +82,40 @@ def check_layout(
         err = (cached - fresh).abs().max().item()
         if err > _tolerance(layout.store.data.dtype) * scale:
             fail(row, f"cached K/V differ from a fresh forward of the prefix (max abs error {err:.3g})")
+
+
+def _differs(cached: torch.Tensor, fresh: torch.Tensor) -> float | None:
+    """The max abs error when `cached` is not `fresh` within tolerance, else None."""
+    tolerance = _tolerance(cached.dtype)
+    cached, fresh = cached.float(), fresh.to(cached.device).float()
+    err = (cached - fresh).abs().max().item() if cached.shape == fresh.shape else float("inf")
+    return err if err > tolerance * (1.0 + fresh.abs().max().item()) else None
+
+
+def _stateful_row_problem(layout: StatefulLayout, row: int, prefix: list[int]) -> str | None:
+    """What is wrong with one row of a stateful layout, if anything: its committed states against a
+    fresh forward over the committed tokens (a prefix of `prefix`: a drafter commits lazily), and its
+    attention K/V against a fresh forward over `prefix`."""
+    count, states = layout.committed_state(row)
+    if count > len(prefix):
+        return f"state of {count} tokens committed but only {len(prefix)} are known to be right"
+    kv, fresh = prefix_state(layout.model, prefix) if prefix else (None, {})
+    if count == 0:
+        fresh = {key: torch.zeros_like(value) for key, value in states.items()}
+    elif count < len(prefix):
+        fresh = prefix_state(layout.model, prefix[:count])[1]
+    for key, want in fresh.items():
+        if key not in states:
+            return f"no committed {key[1]} state for layer {key[0]}"
+        err = _differs(states[key], want)
+        if err is not None:
+            return (f"committed {key[1]} state of layer {key[0]} differs from a fresh forward of the committed "
+                    f"prefix of {count} tokens (max abs error {err:.3g})")
+    if kv is not None:
+        err = _differs(layout.store.row_kv(row, 0, len(prefix)), kv)
+        if err is not None:
+            return f"cached K/V differ from a fresh forward of the prefix (max abs error {err:.3g})"
+    return None
 
 
 def check_views(views: list[LayoutView], round_index: int) -> None:

@@ -105,6 +105,11 @@ class Layout(ABC):
     @abstractmethod
     def commit(self, lengths: torch.Tensor) -> None: ...
 
+    def counters(self) -> dict[str, float]:
+        """Layout-specific running totals the engine reports in EngineStats.extra (e.g. the time a
+        stateful layout spends keeping states); none by default."""
+        return {}
+
     @abstractmethod
     def row_slots(self, row: int) -> tuple[int, int]:
         """(first slot, count) of row's committed tokens in the store."""

@@ -1,0 +1,353 @@
+"""The HTTP side of `batchspec serve`: an OpenAI-compatible FastAPI app around one EngineLoop.
+
+Everything here is async and never touches the engine: a request is encoded, validated (400 at
+once if it can never be served), submitted to the engine loop (429 when the waiting queue is full,
+503 when the loop has died), and answered from its updates, as one JSON body or as server-sent
+events (one chunk per update, so a round that accepts several tokens is one chunk). A response
+that ends early, because the client went away or a stop string was found, aborts its request, so
+its row stops costing compute before the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..config import BatchspecError, ModelConfig, SpecConfig
+from ..llm import LLM
+from ..methods import METHODS
+from ..models import ModelPair, encode_prompt
+from .loop import EngineLoop, EngineUnavailable, QueueFull, RequestHandle
+from .metrics import Metrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Request
+from .text import TextStream, encode_chat
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Server settings beyond the models and decoding (see `batchspec serve --help`)."""
+
+    served_model_name: str = "bundled"
+    max_model_len: int | None = None  # None: min(model context, 2048)
+    max_waiting: int = 256
+    api_key: str | None = None
+
+
+@dataclass
+class _Piece:
+    """What one update adds to a response: text, the tokens behind it, and the finish reason."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class _Server:
+    """The endpoints' state: the engine loop, the tokenizer and how prompts are encoded."""
+
+    def __init__(self, models: ModelPair, model_config: ModelConfig, spec: SpecConfig, options: ServeOptions) -> None:
+        if METHODS[spec.method].deliberately_wrong:
+            raise BatchspecError(f"method {spec.method} is deliberately wrong (kept for audits); it is not served")
+        engine = LLM(model_config, spec, models=models).make_engine()
+        self.metrics = Metrics(options.served_model_name, engine.k)
+        self.loop = EngineLoop(engine, self.metrics, options.max_model_len, options.max_waiting)
+        self.tokenizer = models.tokenizer
+        self.model_config = model_config
+        self.options = options
+        self.created = int(time.time())
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest) -> Response:
+        self._check(body)
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            ids = self._encode(lambda: encode_prompt(self.tokenizer, prompt, False,
+                                                     self.model_config.allow_special_tokens), "prompt")
+        else:
+            ids = list(prompt)
+        return self._respond(body, ids, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        self._check(body)
+        if not self.model_config.chat_template:
+            raise APIError(400, "the chat template is off (--no-chat-template): use /v1/completions", "messages")
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = self._encode(lambda: encode_chat(self.tokenizer, messages, self.model_config.allow_special_tokens),
+                           "messages")
+        return self._respond(body, ids, chat=True)
+
+    async def models(self) -> dict[str, Any]:
+        card = {"id": self.options.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "batchspec", "max_model_len": self.loop.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        if not self.loop.alive:
+            message = self.loop.error or "the engine loop is not running"
+            return APIError(503, message, code="engine_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- one request --------------------------------------------------------------------------
+    def _check(self, body: _Request) -> None:
+        if body.model is not None and body.model != self.options.served_model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
+                           f"`{self.options.served_model_name}`)", "model", "model_not_found")
+        body.refuse_unsupported()
+
+    @staticmethod
+    def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
+        try:
+            return encode()
+        except BatchspecError as err:
+            raise APIError(400, str(err), param) from err
+
+    def _respond(self, body: _Request, ids: list[int], chat: bool) -> Response:
+        """Validate, submit, and answer: every refusal happens here, before anything is queued."""
+        limit, field = self.loop.max_model_len, "messages" if chat else "prompt"
+        if len(ids) >= limit:
+            raise APIError(400, f"prompt of {len(ids)} tokens leaves no room for output in the context of {limit} "
+                           "tokens (--max-model-len)", field)
+        budget = body.token_budget()
+        params = body.sampling_params(limit - len(ids) if budget is None else budget)  # None: the rest of the context
+        if len(ids) + params.max_new_tokens > limit:
+            raise APIError(400, f"prompt of {len(ids)} tokens + max_tokens {params.max_new_tokens} exceeds the context "
+                           f"of {limit} tokens (--max-model-len)", "max_tokens")
+        try:
+            ids = self.loop.validate(ids, params)
+            handle = self.loop.submit(ids, params)
+        except BatchspecError as err:
+            raise APIError(400, str(err), field) from err
+        except QueueFull as err:
+            raise APIError(429, str(err), code="queue_full") from err
+        except EngineUnavailable as err:
+            raise APIError(503, str(err), code="engine_unavailable") from err
+        reply = _Reply(self.options.served_model_name, chat, body, ids)
+        stream = TextStream(self.tokenizer, body.stop_strings())
+        if body.stream:
+            return _StreamedResponse(handle, reply.events(_pieces(handle, stream), stream))
+        return _AwaitedResponse(handle, lambda: reply.whole(_pieces(handle, stream), stream))
+
+
+async def _pieces(handle: RequestHandle, stream: TextStream) -> AsyncIterator[_Piece]:
+    """One piece per update, until the engine ends the request or a stop string does (which aborts
+    it: the row is freed before the next round)."""
+    async for update in handle.updates():
+        before = len(stream.token_ids)
+        text = stream.add(update.token_ids)
+        finish = "stop" if stream.stopped else update.finish_reason
+        if stream.stopped:
+            handle.abort("stop")
+        if finish is not None:
+            text += stream.finish()
+        yield _Piece(text, stream.token_ids[before:], finish)
+        if finish is not None:
+            return
+
+
+class _Reply:
+    """Builds one request's response bodies, whole or as chunks, in OpenAI's shapes."""
+
+    def __init__(self, model: str, chat: bool, body: _Request, prompt_ids: list[int]) -> None:
+        self.model = model
+        self.chat = chat
+        self.body = body
+        self.prompt_ids = prompt_ids
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = len(self.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+    def _choice(self, text: str, token_ids: list[int], finish: str | None, chunk: bool) -> dict[str, Any]:
+        if not self.chat:
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        elif chunk:
+            choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        if self.body.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    async def whole(self, pieces: AsyncIterator[_Piece], stream: TextStream) -> dict[str, Any]:
+        text, finish = [], None
+        async for piece in pieces:
+            text.append(piece.text)
+            finish = piece.finish_reason
+        reply = {**self._envelope(chunk=False),
+                 "choices": [self._choice("".join(text), stream.token_ids, finish, chunk=False)],
+                 "usage": self._usage(len(stream.token_ids))}
+        if self.body.return_token_ids:
+            reply["prompt_token_ids"] = self.prompt_ids
+        return reply
+
+    async def events(self, pieces: AsyncIterator[_Piece], stream: TextStream) -> AsyncIterator[str]:
+        """Server-sent events: chunks, the usage chunk if asked for, then [DONE]. An update without
+        new text (an incomplete character, a held-back possible stop string) sends nothing unless
+        token ids were asked for."""
+        usage: dict[str, Any] = {"usage": None} if self.body.include_usage else {}
+        envelope = self._envelope(chunk=True)
+        first = {"prompt_token_ids": self.prompt_ids} if self.body.return_token_ids else {}  # as vLLM: once
+        if self.chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield _event({**envelope, "choices": [role], **usage, **first})
+            first = {}
+        try:
+            async for piece in pieces:
+                if piece.text or piece.finish_reason or (self.body.return_token_ids and piece.token_ids):
+                    choice = self._choice(piece.text, piece.token_ids, piece.finish_reason, chunk=True)
+                    yield _event({**envelope, "choices": [choice], **usage, **first})
+                    first = {}
+        except EngineUnavailable as err:
+            yield _event(APIError(503, str(err), code="engine_unavailable").body())
+        else:
+            if self.body.include_usage:
+                yield _event({**envelope, "choices": [], "usage": self._usage(len(stream.token_ids))})
+        yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class _StreamedResponse(StreamingResponse):
+    """Server-sent events whose request is aborted however the response ends: Starlette cancels the
+    stream when the client disconnects, and this frees the row within one round."""
+
+    def __init__(self, handle: RequestHandle, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.handle = handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.abort()
+
+
+class _AwaitedResponse(Response):
+    """A JSON body computed once the request has ended, while watching the connection: a client
+    that disconnects before that aborts its request (uvicorn would otherwise decode it to the end)."""
+
+    def __init__(self, handle: RequestHandle, produce: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        super().__init__()
+        self.handle = handle
+        self.produce = produce
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome: Response | None = None
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                outcome = JSONResponse(await self.produce())
+            except EngineUnavailable as err:
+                outcome = APIError(503, str(err), code="engine_unavailable").response()
+            finally:
+                self.handle.abort()
+                group.cancel_scope.cancel()
+        if outcome is not None:
+            await outcome(scope, receive, send)
+
+
+class _BearerAuth:
+    """With --api-key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
+    and /metrics stay open, as in vLLM, for load balancers and scrapers."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method) in the same shape."""
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not the client's fault: still OpenAI's shape (uvicorn logs the traceback)."""
+    return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 body, as OpenAI's 400: the first problem, named by its field."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}").response()
+    where = ".".join(loc)
+    return APIError(400, f"{where}: {first['msg']}" if where else first["msg"], where or None).response()
+
+
+def create_app(models: ModelPair, model_config: ModelConfig, spec: SpecConfig, options: ServeOptions) -> FastAPI:
+    """The app; the engine's K/V is reserved here (so a budget that cannot hold one row fails
+    before serving), and its loop thread runs while the app does (lifespan)."""
+    server = _Server(models, model_config, spec, options)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.loop.start()
+        yield
+        await asyncio.to_thread(server.loop.close)
+
+    app = FastAPI(title="batchspec", lifespan=lifespan)
+    app.state.engine_loop = server.loop
+    app.state.metrics = server.metrics
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.get("/v1/models")(server.models)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_text)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    if options.api_key:
+        app.add_middleware(_BearerAuth, api_key=options.api_key)
+    return app
