@@ -114,8 +114,8 @@ class SpecConfig:
         "many as are expected to pay for their drafting and verification on this machine's measured costs (down to "
         "none: a plain decoding step)", choices=list(SPECULATION))
     drafter: str = option(
-        "model", "model: the --draft model proposes; ngram: prompt lookup, the tokens that followed the longest "
-        "earlier occurrence of the context's last --ngram-min..--ngram-max tokens (no second model; --draft ngram "
+        "model", "model: the --draft model proposes; ngram: prompt lookup, the tokens that followed the first earlier "
+        "occurrence of the longest context suffix of --ngram-min..--ngram-max tokens (no second model; --draft ngram "
         "selects it too); hybrid: the n-gram continuation where a row's context has one, the draft model elsewhere",
         choices=list(DRAFTERS))
     ngram_min: int = option(5, "prompt lookup: shortest context suffix to match (vLLM's prompt_lookup_min)", type=int)
