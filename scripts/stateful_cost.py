@@ -23,16 +23,14 @@ import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, PreTrainedModel, Qwen3NextConfig
 
 from batchspec.config import SamplingParams, SpecConfig
-from batchspec.drafters import Draft, Drafter, Picker, pick_argmax
 from batchspec.engine import Engine
 from batchspec.kv import is_stateful
 from batchspec.layouts import RaggedLayout
 from batchspec.layouts.stateful import ReplayStatefulLayout, StatefulLayout
 from batchspec.reference import greedy_decode
-from batchspec.sequence import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tinyworld import tiny_stateful_model  # noqa: E402  (the tests' tiny models)
+from tinyworld import ScriptedDrafter, tiny_stateful_model  # noqa: E402  (the tests' helpers)
 
 VOCAB = 1024
 STRATEGIES = {"snapshot": StatefulLayout, "replay": ReplayStatefulLayout}
@@ -94,37 +92,13 @@ def layout_rounds(model: PreTrainedModel, layout_class: type[StatefulLayout], ba
     return {"forward": forward / rounds, "commit": commit / rounds, "state": (layout.state_time - state_before) / rounds}
 
 
-class RiggedDrafter(Drafter):
-    """Proposes the target's known greedy continuation, each token right with probability p."""
-
-    def __init__(self, truth: dict[tuple[int, ...], list[int]], p: float) -> None:
-        self.truth, self.p, self.rng = truth, p, random.Random(1)
-
-    def add(self, seqs: list[Sequence]) -> None:
-        pass
-
-    def drop(self, keep: list[bool]) -> list[int]:
-        return []
-
-    def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
-        rows = []
-        for s in seqs:
-            row = []
-            for j in range(k):
-                pos = len(s.generated) + j
-                right = self.truth[tuple(s.prompt_ids)][pos] if pos < len(self.truth[tuple(s.prompt_ids)]) else 3
-                row.append(right if self.rng.random() < self.p else (right + 1) % VOCAB)
-            rows.append(row)
-        return Draft(torch.tensor(rows, dtype=torch.long), None)
-
-
 def engine_run(model: PreTrainedModel, layout_class: type[StatefulLayout], prompts: list[list[int]],
                truth: dict[tuple[int, ...], list[int]], batch: int, k: int, p: float, max_new: int) -> dict[str, float]:
     spec = SpecConfig(method="ragged", num_draft_tokens=k, batch_size=batch)
     def layouts(m: torch.nn.Module, rows: int, capacity: int) -> RaggedLayout | StatefulLayout:
         return (layout_class if is_stateful(m) else RaggedLayout)(m, rows, capacity)
 
-    engine = Engine(model, spec, layouts, drafter=RiggedDrafter(truth, p))
+    engine = Engine(model, spec, layouts, drafter=ScriptedDrafter(truth, p, VOCAB, seed=1))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert all(o.generated == truth[tuple(pr)] for pr, o in zip(prompts, outputs)), "not exact"
     s = engine.stats
