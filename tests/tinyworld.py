@@ -182,12 +182,6 @@ class ScriptedDrafter(Drafter):
         self.vocab = vocab
         self.rng = random.Random(seed)
 
-    def add(self, seqs: list[Sequence]) -> None:
-        pass
-
-    def drop(self, keep: list[bool]) -> list[int]:
-        return []
-
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         rows = []
         for s in seqs:
@@ -256,12 +250,6 @@ class LengthsDrafter(Drafter):
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], lengths: list[int]) -> None:
         self.continuations, self.lengths = continuations, lengths
-
-    def add(self, seqs: list[Sequence]) -> None:
-        pass
-
-    def drop(self, keep: list[bool]) -> list[int]:
-        return []
 
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         rows = []

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from ..layouts.base import LayoutView
+from ..layouts.base import LayoutView, swap_remove_order
 from ..sequence import Sequence
 
 # Turns one step of drafter logits [b, vocab] into tokens [b]; `step` is the draft index within the
@@ -89,18 +89,19 @@ class Drafter(ABC):
     round passed without drafts); both have defaults, so a drafter that knows neither still works.
     """
 
-    @abstractmethod
     def add(self, seqs: list[Sequence]) -> None:
-        """Rows appended after the existing ones (their prompts are known, plus the first token)."""
+        """Rows appended after the existing ones (their prompts are known, plus the first token).
+        A drafter that keeps no per-row state (prompt lookup reads the sequences) has nothing to do."""
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         """k draft tokens for each row (or fewer, with `Draft.lengths`), continuing each sequence's
         current tokens."""
 
-    @abstractmethod
     def drop(self, keep: list[bool]) -> list[int]:
-        """Remove rows, mirroring the target layout's `drop` (same order returned)."""
+        """Remove rows, mirroring the target layout's `drop` (same order returned); nothing to remove
+        for a drafter without per-row state."""
+        return swap_remove_order(keep)
 
     def propose_steered(self, seqs: list[Sequence], k: int, pick: Picker, steer: Steering) -> Draft:
         """Up to k drafts per row, drafting step by step only while `steer` says so. The default

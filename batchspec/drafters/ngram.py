@@ -97,12 +97,6 @@ class NgramDrafter(Drafter):
         self.lookup = NgramLookup(min_n, max_n)
         self.device = torch.device(device)
 
-    def add(self, seqs: list[Sequence]) -> None:
-        pass
-
-    def drop(self, keep: list[bool]) -> list[int]:
-        return []
-
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         tokens, lengths = self.lookup.propose(seqs, k, self.device)
         return Draft(tokens, None, lengths).capped(lengths)
