@@ -97,7 +97,8 @@ class ModelDrafter(Drafter):
             self.layout.commit(have)
             starts, ends = have.tolist(), target.tolist()
             width = max(e - b for b, e in zip(starts, ends))
-            rows = [s.tokens[b:e] + [FILLER_TOKEN] * (width - (e - b)) for s, b, e in zip(seqs, starts, ends)]
+            # tail() copies only the span from b on, not the whole sequence
+            rows = [s.tail(s.length - b)[: e - b] + [FILLER_TOKEN] * (width - (e - b)) for s, b, e in zip(seqs, starts, ends)]
             self.layout.forward(torch.tensor(rows, dtype=torch.long, device=device), last_only=True)
         self.layout.commit(target)
         return torch.tensor([s.tail(2) for s in seqs], dtype=torch.long, device=device)
