@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from .bundled import cache_dir
+from .kernels import linear_kernel
 from .kv import context_limit
 from .layouts.ragged import RaggedLayout
 
@@ -208,6 +209,7 @@ def fingerprint(model: torch.nn.Module) -> dict:
         "device": param.device.type,
         "hardware": torch.cuda.get_device_name(param.device) if param.is_cuda else cpu_model(),
         "threads": torch.get_num_threads(),
+        "linear_kernel": linear_kernel(model),
         "torch": torch.__version__,
     }
 

@@ -23,6 +23,7 @@ from transformers import (
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
 from .config import NGRAM, BatchspecError, ModelConfig
+from .kernels import apply_linear_kernel
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -85,9 +86,11 @@ def _load_tokenizer(folder: Path, gguf_file: str | None) -> PreTrainedTokenizerB
 
 
 def load_model(
-    source: str | None, role: str = "target", dtype: str = "float32", device: str = "cpu"
+    source: str | None, role: str = "target", dtype: str = "float32", device: str = "cpu",
+    linear_kernel: str = "auto",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer in eval mode on ``device``.
+    """Load a causal LM and its tokenizer in eval mode on ``device``, its linear layers on
+    ``linear_kernel`` (`batchspec.kernels`: packed oneDNN weights on CPU unless "torch").
 
     ``source`` None means the bundled model for ``role`` ("target" or "draft"). Attention is
     transformers' default, SDPA wherever the architecture has it (forcing "sdpa" would refuse
@@ -114,6 +117,7 @@ def load_model(
     except Exception as exc:
         raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
+    apply_linear_kernel(model, linear_kernel)
     return model, tokenizer
 
 
@@ -135,10 +139,12 @@ def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
     need_draft = need_draft and config.draft != NGRAM
     if need_draft:
         parse_dtype(draft_dtype)
-    target_model, target_tok = load_model(config.target, role="target", dtype=config.dtype, device=config.device)
+    target_model, target_tok = load_model(config.target, role="target", dtype=config.dtype, device=config.device,
+                                          linear_kernel=config.linear_kernel)
     if not need_draft:
         return ModelPair(target=target_model, draft=None, tokenizer=target_tok)
-    draft_model, draft_tok = load_model(config.draft, role="draft", dtype=draft_dtype, device=config.device)
+    draft_model, draft_tok = load_model(config.draft, role="draft", dtype=draft_dtype, device=config.device,
+                                        linear_kernel=config.linear_kernel)
     try:
         check_compatible(target_model, target_tok, draft_model, draft_tok)
     except BatchspecError as exc:
@@ -150,9 +156,9 @@ def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
 def output_vocab_size(model: PreTrainedModel) -> int:
     """Rows of the LM head, i.e. the width of the logits (may exceed the tokenizer's vocabulary)."""
     head = model.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if weight is not None:
-        return int(weight.shape[0])
+    rows = getattr(head, "out_features", None)  # nn.Linear and batchspec.kernels.PackedLinear
+    if rows is not None:
+        return int(rows)
     return int(model.config.get_text_config().vocab_size)
 
 

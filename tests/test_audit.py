@@ -104,8 +104,7 @@ def audit_setup(tiny_pair_dirs) -> dict[torch.dtype, tuple[ModelPair, Auditor]]:
     """The tiny pair in each dtype, with one auditor each (its oracle is decoded once per dtype)."""
     setups = {}
     for dtype in (torch.float32, torch.bfloat16):
-        pair = load_pair(ModelConfig(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1])))
-        models = ModelPair(pair.target.to(dtype), pair.draft.to(dtype), pair.tokenizer)
+        models = load_pair(ModelConfig(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), dtype=str(dtype).split(".")[1]))
         setups[dtype] = (models, Auditor(models.target, models.tokenizer, MAX_NEW))
     return setups
 

@@ -20,6 +20,7 @@ from ..bench.runner import ALL, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
 from ..config import NGRAM, BatchspecError, SamplingParams, SpecConfig
 from ..costs import measured_costs
+from ..kernels import linear_kernel
 from ..forensics.oracle import Oracle
 from ..kv import context_limit
 from ..models import ModelPair, eos_token_ids
@@ -139,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     entries = build_report(results, prompts)
     machine = machine_info(args.dtype, args.draft_dtype, args.device)
     title = (f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, K {args.num_draft_tokens}, "
-             f"{args.dtype} target, {args.draft_dtype or args.dtype} drafter on {machine['device']} "
+             f"{args.dtype} target, {args.draft_dtype or args.dtype} drafter on {machine['device']}, "
+             f"{linear_kernel(models.target)} linears "
              f"({machine['cpu']}, {machine['torch_threads']} threads)")
     groups = ", ".join(f"{g} {n}" for g, n in (prompt_info["groups"] or {}).items())
     print(f"batchspec bench: {title}")
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             "machine": machine,
             "settings": {
                 "target": args.target or "bundled", "draft": args.draft or "bundled",
-                "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+                "linear_kernel": linear_kernel(models.target), "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
                 "speculation_default": "fixed (adaptive where a method says +adaptive)",
                 "methods": [s.name for s in specs], "suite": args.suite,
                 "runs": "per task group" if by_group else "all prompts at once",
