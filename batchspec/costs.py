@@ -3,8 +3,8 @@ one drafter step by rows, on this machine, these models, this dtype and device.
 
 Adaptive speculation (`batchspec.speculation`) chooses how many drafts to verify by comparing the
 tokens they are expected to add with the time they add, so the times must be this machine's: on a
-2-core CPU a 6-token verify of a 1.5B model costs ~2.3x a 1-token one, on a GPU about the same as
-one. A short calibration runs the first time a model is used (a few forwards per shape, prefill
+2-core CPU a 6-token verify of a 1.5B model costs ~2.3x a 1-token one with torch's default linears
+and ~1.15x with packed ones (`batchspec.kernels`), on a GPU about the same as one. A short calibration runs the first time a model is used (a few forwards per shape, prefill
 excluded) and is cached per model fingerprint and device in the user cache dir; during decoding the
 engine's own phase timings rescale it (an exponential moving average of measured / predicted), so
 load on the machine and growing contexts are followed. Tests inject a scripted model (`Costs`).
@@ -27,8 +27,9 @@ import torch
 
 from .bundled import cache_dir
 from .kernels import linear_kernel
-from .kv import context_limit
+from .kv import context_limit, is_stateful
 from .layouts.ragged import RaggedLayout
+from .layouts.stateful import StatefulLayout
 
 SMOOTHING = 0.1  # weight of each new round in the online rescaling
 TRUSTED_ROUNDS = 8  # observed rounds of a verify shape after which they outweigh the table 4 to 1
@@ -160,7 +161,8 @@ def grid(top: int, base: tuple[int, ...] = ()) -> list[int]:
 
 @torch.inference_mode()
 def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logits: bool) -> TimingTable:
-    """Time one forward of each shape through the ragged layout (the engine's own path), after
+    """Time one forward of each shape through the layout the engine uses (ragged, or stateful for a
+    model with recurrent state), after
     CONTEXT committed tokens per row; `all_logits` as a verify forward (every position's logits)
     rather than a drafter step (the last position's only).
 
@@ -172,9 +174,10 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
     device = next(model.parameters()).device
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = [(7 * i + 3) % vocab for i in range(context)]
+    layout_class = StatefulLayout if is_stateful(model) else RaggedLayout  # the layout the engine runs it on
     layouts = {}
     for r in rows:
-        layouts[r] = RaggedLayout(model, r, context + max(tokens))
+        layouts[r] = layout_class(model, r, context + max(tokens))
         layouts[r].prefill([ids] * r)
     best = {(r, n): math.inf for r in rows for n in tokens}
     for timed in [False] + [True] * REPEATS:

@@ -54,7 +54,8 @@ def model_settings(args: argparse.Namespace, scratch: Path) -> dict:
     return {"target": args.target, "draft": args.draft, "draft_dtype": args.draft_dtype}
 
 
-def on_ray(texts: list[str], model: dict, spec: dict, sampling: dict, actors: int, args) -> dict:
+def on_ray(texts: list[str], model: dict, spec: dict, sampling: dict, actors: int, args,
+           expected: list[list[int]]) -> dict:
     """One Ray Data run; the time around each actor call and inside its engine comes from the sink."""
     sink = StatsSink.remote()
     rows = [{"id": str(i), "prompt": t} for i, t in enumerate(texts)]
@@ -66,9 +67,12 @@ def on_ray(texts: list[str], model: dict, spec: dict, sampling: dict, actors: in
     engine, spans = ray.get([sink.total.remote(), sink.batch_spans.remote()])
     ray.kill(sink)
     assert len(out) == len(rows) and not any(r["error"] for r in out)
+    by_id = {r["id"]: list(r["token_ids"]) for r in out}
+    identical = sum(by_id[str(i)] == ids for i, ids in enumerate(expected))
     in_calls = sum(b - a for a, b in spans)
     return {
-        "actors": actors, "rows": len(rows), "tokens": sum(len(r["token_ids"]) for r in out), "wall_s": end - start,
+        "actors": actors, "rows": len(rows), "identical_to_one_process": identical,
+        "tokens": sum(len(r["token_ids"]) for r in out), "wall_s": end - start,
         "engine_s": sum(engine[k] for k in ("prefill_time", "draft_time", "verify_time", "other_time")),
         "startup_s": spans[0][0] - start,  # actor processes, imports, model loading, first dispatch
         "in_calls_s": in_calls,
@@ -113,8 +117,9 @@ def main() -> None:
         ray.init(address=args.address or "local", num_cpus=None if args.address else 2, include_dashboard=False,
                  logging_level="WARNING", log_to_driver=False)
         ray.data.DataContext.get_current().enable_progress_bars = False
-        one = on_ray(texts, model, spec, sampling, 1, args)
-        two = on_ray(texts, model, spec, sampling, 2, args)
+        expected = [list(o.token_ids) for o in local]
+        one = on_ray(texts, model, spec, sampling, 1, args, expected)
+        two = on_ray(texts, model, spec, sampling, 2, args, expected)
         ray.shutdown()
 
     n = len(texts)
@@ -125,12 +130,12 @@ def main() -> None:
         # with one actor everything but start-up and engine time is what Ray and the adapter add
         "ray_overhead_per_row_s": (one["wall_s"] - one["startup_s"] - one["engine_s"]) / n,
     }
-    print(f"{'run':<16}{'wall s':>8}{'rows/s':>8}{'tok/s':>8}{'start-up s':>11}{'engine s':>10}")
+    print(f"{'run':<16}{'wall s':>8}{'rows/s':>8}{'tok/s':>8}{'start-up s':>11}{'engine s':>10}{'identical':>11}")
     print(f"{'one process':<16}{local_s:>8.2f}{n / local_s:>8.2f}{tokens / local_s:>8.1f}{load_s:>11.2f}"
           f"{local_engine_s:>10.2f}   (start-up: model load, not in wall)")
     for name, run in (("ray 1 actor", one), ("ray 2 actors", two)):
         print(f"{name:<16}{run['wall_s']:>8.2f}{n / run['wall_s']:>8.2f}{run['tokens'] / run['wall_s']:>8.1f}"
-              f"{run['startup_s']:>11.2f}{run['engine_s']:>10.2f}")
+              f"{run['startup_s']:>11.2f}{run['engine_s']:>10.2f}{run['identical_to_one_process']:>7}/{n}")
     steady = [r["wall_s"] - r["startup_s"] for r in (one, two)]
     print(f"Ray overhead per row (1 actor, after start-up): {figures['ray_overhead_per_row_s'] * 1000:.1f} ms = "
           f"{(one['in_calls_s'] - one['engine_s']) / n * 1000:.1f} ms in calls outside the engine + "

@@ -4,7 +4,7 @@ assertion here depends on how fast anything ran."""
 from __future__ import annotations
 
 import pytest
-from tinyworld import ScriptedCosts, tiny_model
+from tinyworld import ScriptedCosts, tiny_model, tiny_stateful_model
 
 from batchspec import costs as costs_module
 from batchspec.bench.report import render_costs
@@ -39,8 +39,9 @@ def test_grid_keeps_both_ends_and_few_points():
         assert points[0] == 1 and points[-1] == top and len(points) <= 4 and points == sorted(set(points))
 
 
-def test_measure_times_every_shape_through_the_layout():
-    model = tiny_model("qwen2", vocab_size=50)
+@pytest.mark.parametrize("arch", ["qwen2", "mamba2"])
+def test_measure_times_every_shape_through_the_layout(arch):
+    model = tiny_model(arch, vocab_size=50) if arch == "qwen2" else tiny_stateful_model(arch, vocab_size=50)
     table = measure(model, [1, 3], [1, 2, 4], all_logits=True)
     assert table.rows == [1, 3] and table.tokens == [1, 2, 4]
     assert all(len(line) == 3 and all(t > 0 for t in line) for line in table.seconds)

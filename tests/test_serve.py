@@ -624,6 +624,12 @@ def test_bench_serve_reports_latency_and_acceptance(server, tmp_path, capsys) ->
     spec = report["speculation"]
     assert spec["drafts"] > 0 and 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
     assert len(spec["per_position_acceptance_rate"]) == K and report["settings"]["concurrency"] == 2
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    assert sorted(report["prompts"]) == sorted(prompts.read_text().splitlines())
+    for text, streamed in zip(report["prompts"], report["outputs"]):  # each streamed answer, whole
+        plain = client.completions.create(model=client.models.list().data[0].id, prompt=text, max_tokens=12,
+                                          temperature=0)
+        assert streamed == plain.choices[0].text != ""
     assert main(["bench-serve", "--base-url", url + "/v1", "--endpoint", "chat", "--prompts", str(prompts),
                  "--num-prompts", "2", "--max-tokens", "4", "--request-rate", "50"]) == 0
 

@@ -373,3 +373,18 @@ def test_adaptive_speculation_and_prompt_lookup_keep_states_exact(arch, drafter_
     outputs = engine.generate(prompts, params)
     assert_exact(arch, prompts, outputs, params)
     assert any(0 in s.chosen_k for s in outputs)
+
+
+def test_adaptive_speculation_calibrates_its_costs_on_a_stateful_target(tmp_path, monkeypatch):
+    """Without injected costs the engine measures them, through the layout a stateful target runs on
+    (the ragged layout cannot hold recurrent state), and still decodes exactly."""
+    from batchspec import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    prompts = random_prompts(3, [4, 9, 2], seed=8)
+    params = SamplingParams(max_new_tokens=10)
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2, speculation="adaptive")
+    engine = build_engine(target("mamba2"), spec, (), draft_model=drafter("mamba2", "stateful"))
+    assert_exact("mamba2", prompts, engine.generate(prompts, params), params)
+    assert len(list(tmp_path.glob("*.json"))) == 2  # target and drafter timings, measured and cached

@@ -7,6 +7,7 @@ where the wall time went (prefill / draft / verify / other) per method and batch
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ def write_plots(directory: str | Path, entries: list[dict[str, Any]], title: str
     paths = [out / "throughput_vs_batch.png", out / "fast_but_wrong.png", out / "time_breakdown.png"]
     for path, draw in zip(paths, (_throughput, _fast_but_wrong, _breakdown)):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(textwrap.fill(title, width=110), fontsize=9)  # a long title wraps instead of running off
         draw(ax, ok)  # settles the layout itself: labels are placed in the final coordinates
         fig.savefig(path)
         plt.close(fig)

@@ -52,6 +52,7 @@ class RequestResult:
     ttft: float | None = None
     latency: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
+    text: str = ""  # what the client received, to compare servers (e.g. speculative vs plain)
     error: str | None = None
 
 
@@ -102,8 +103,10 @@ async def _one(
             if chunk.usage is not None:
                 result.prompt_tokens = chunk.usage.prompt_tokens
                 result.output_tokens = chunk.usage.completion_tokens
-            if chunk.choices and _text(chunk.choices[0], settings.endpoint):
+            piece = _text(chunk.choices[0], settings.endpoint) if chunk.choices else ""
+            if piece:
                 result.chunk_times.append(time.perf_counter() - start)
+                result.text += piece
     except openai.APIError as err:
         result.error = f"{type(err).__name__}: {getattr(err, 'message', err)}"
     result.latency = time.perf_counter() - start
@@ -145,6 +148,8 @@ async def run_bench(settings: BenchSettings, prompts: Seq[str]) -> dict:
     finally:
         await client.close()
     report = summarize(results, duration)
+    report["prompts"] = list(prompts)
+    report["outputs"] = [r.text if r.error is None else None for r in results]  # one per prompt, in order
     report["model"] = model
     report["speculation"] = speculation(before, after)
     return report
