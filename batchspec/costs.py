@@ -4,8 +4,9 @@ one drafter step by rows, on this machine, these models, this dtype and device.
 Adaptive speculation (`batchspec.speculation`) chooses how many drafts to verify by comparing the
 tokens they are expected to add with the time they add, so the times must be this machine's: on a
 2-core CPU a 6-token verify of a 1.5B model costs ~2.3x a 1-token one with torch's default linears
-and ~1.15x with packed ones (`batchspec.kernels`), on a GPU about the same as one. A short calibration runs the first time a model is used (a few forwards per shape, prefill
-excluded) and is cached per model fingerprint and device in the user cache dir; during decoding the
+and ~1.15x with packed ones (`batchspec.kernels`), on a GPU about the same as one. A short
+calibration runs the first time a model is used (a few forwards per shape, prefill excluded) and
+is cached per model fingerprint and device in the user cache dir; during decoding the
 engine's own phase timings rescale it (an exponential moving average of measured / predicted), so
 load on the machine and growing contexts are followed. Tests inject a scripted model (`Costs`).
 """
@@ -161,10 +162,10 @@ def grid(top: int, base: tuple[int, ...] = ()) -> list[int]:
 
 @torch.inference_mode()
 def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logits: bool) -> TimingTable:
-    """Time one forward of each shape through the layout the engine uses (ragged, or stateful for a
-    model with recurrent state), after
-    CONTEXT committed tokens per row; `all_logits` as a verify forward (every position's logits)
-    rather than a drafter step (the last position's only).
+    """Time one forward of each shape through the layout the engine runs the model on (ragged, or
+    stateful for a model with recurrent state), after CONTEXT committed tokens per row; `all_logits`
+    as a verify forward (every position's logits) rather than a drafter step (the last position's
+    only).
 
     Shapes are timed in interleaved passes (a warm-up, then REPEATS) and each keeps its fastest, so
     a burst of load on a shared machine hits every shape alike instead of one; a shape with more rows

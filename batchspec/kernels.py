@@ -71,7 +71,8 @@ class PackedLinear(torch.nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, oneDNN packed")
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -124,11 +125,13 @@ def apply_linear_kernel(model: torch.nn.Module, kernel: str) -> str:
     if kernel == TORCH:
         return TORCH
     reason = unsupported_reason(model)
-    if reason is None and pack_linears(model):
+    if reason is None:
         try:
+            if not pack_linears(model):
+                return TORCH  # nothing to pack
             _probe(model)
             return PACKED
-        except Exception as exc:  # whatever the modeling code raises on the packed weight
+        except Exception as exc:  # a linear oneDNN cannot pack, or modeling code using the packed weight
             unpack_linears(model)
             reason = f"{type(model).__name__} does not run with packed linears ({short_reason(exc)})"
     if reason is not None and kernel == PACKED:

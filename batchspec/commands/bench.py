@@ -20,8 +20,8 @@ from ..bench.runner import ALL, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
 from ..config import NGRAM, BatchspecError, SamplingParams, SpecConfig
 from ..costs import measured_costs
-from ..kernels import linear_kernel
 from ..forensics.oracle import Oracle
+from ..kernels import linear_kernel
 from ..kv import context_limit
 from ..models import ModelPair, eos_token_ids
 from .common import (
@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
             "machine": machine,
             "settings": {
                 "target": args.target or "bundled", "draft": args.draft or "bundled",
-                "linear_kernel": linear_kernel(models.target), "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+                "linear_kernel": linear_kernel(models.target),
+                "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
                 "speculation_default": "fixed (adaptive where a method says +adaptive)",
                 "methods": [s.name for s in specs], "suite": args.suite,
                 "runs": "per task group" if by_group else "all prompts at once",
