@@ -1,12 +1,13 @@
 """Linear layers on CPU with weights packed once for oneDNN, instead of per call.
 
-Why: torch's default CPU linear (MKL sgemm) re-packs the weight matrix on every call. At one token
-per row that is a matrix-vector product read at memory speed, but from two tokens on it packs the
-whole weight each time, so on this project's reference CPU a Qwen2.5 1.5B forward costs ~400 ms for
+Why: with torch's default CPU linear (MKL) one token per row is a matrix-vector product read at
+memory speed, but from two tokens on each call costs 2-3x as much (one 8960x1536 product: 3.8 ms for
+1 row, 8-13 ms for 2-8 rows on this project's reference CPU; as far as we can tell the weight is
+packed for a matrix-matrix product on every call). A Qwen2.5 1.5B forward there costs ~400 ms for
 one token and ~800-1,250 ms for 2-6 tokens: verifying drafts cost twice a plain step, which is what
-made speculation lose on CPUs. oneDNN with the weights reordered once at load reads them once per
-call whatever the token count: measured on the same machine, ~270 ms for one token and ~240-300 ms
-for 2-6. Plain decoding gets faster too, and verifying K + 1 tokens costs about one plain step.
+made speculation lose on CPUs. oneDNN with the weights reordered once at load costs about the same
+for 1 to 16 rows (2-3 ms for that product): ~270 ms for one token and ~240-300 ms for 2-6 on the
+same machine. Plain decoding gets faster too, and verifying K + 1 tokens costs about one plain step.
 
 Every torch-private call lives here (`torch.ops.mkldnn._reorder_linear_weight` and
 `_linear_pointwise`, the ops Inductor's CPU backend uses for frozen linears); `linear_kernel`
