@@ -7,31 +7,18 @@ import fcntl
 import json
 
 import pytest
+from tinyworld import mixed_prompts_file
 
 from batchspec.cli import COMMANDS, DESCRIPTION, build_parser, main
 from batchspec.config import BatchspecError, SamplingParams
 from batchspec.llm import LLM
 
 
-def _prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    lines = [
-        json.dumps({"id": "a", "prompt": "the water is long"}),
-        json.dumps({"id": "empty", "prompt": "   "}),
-        "{not json",
-        json.dumps({"id": "b", "turns": ["call him now and then", "ignored second turn"]}),
-        json.dumps({"id": "long", "prompt": "word " * 600}),
-        json.dumps({"id": "c", "prompt": "write the number"}),
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 @pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec"])
 def test_generate_writes_every_prompt_and_verifies(tmp_path, tiny_pair_dirs, capsys, method):
     target, draft = tiny_pair_dirs
     out = tmp_path / "out.jsonl"
-    code = main(["generate", "--prompts", str(_prompts_file(tmp_path)), "--target", str(target), "--draft", str(draft),
+    code = main(["generate", "--prompts", str(mixed_prompts_file(tmp_path)), "--target", str(target), "--draft", str(draft),
                  "--method", method, "--batch-size", "2", "--max-new-tokens", "8", "--output", str(out), "--verify"])
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -61,7 +48,7 @@ def test_generate_writes_every_prompt_and_verifies(tmp_path, tiny_pair_dirs, cap
 )
 def test_bad_input_is_one_clear_line(tmp_path, tiny_pair_dirs, capsys, extra, message):
     target, draft = tiny_pair_dirs
-    args = ["generate", "--prompts", str(_prompts_file(tmp_path)), "--target", str(target), "--draft", str(draft)]
+    args = ["generate", "--prompts", str(mixed_prompts_file(tmp_path)), "--target", str(target), "--draft", str(draft)]
     code = main(args + extra)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2

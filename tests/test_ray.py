@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import ray.data
-from tinyworld import WORDS
+from tinyworld import WORDS, mixed_prompts_file
 
 from batchspec.cli import main
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
@@ -209,27 +209,11 @@ def test_killed_actor_is_restarted_and_its_rows_redone(cluster, model, expected)
     _check(rows, expected)
 
 
-def _prompts_file(tmp_path: Path) -> Path:
-    """The CLI's kinds of input: good prompts, SpecBench turns, a bad line, an empty and a long one."""
-    lines = [
-        json.dumps({"id": "a", "prompt": "the water is long"}),
-        json.dumps({"id": "empty", "prompt": "   "}),
-        "{not json",
-        json.dumps({"id": "b", "turns": ["call him now and then", "ignored second turn"]}),
-        json.dumps({"id": "long", "prompt": "word " * 600}),
-        json.dumps({"id": "c", "prompt": "write the number"}),
-        json.dumps({"id": "d", "prompt": "how many people could go"}),
-    ]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"]],
                          ids=["greedy", "seeded"])
 def test_cli_ray_writes_what_generate_writes(cluster, tiny_pair_dirs, tmp_path, capsys, sampling):
     target, draft = tiny_pair_dirs
-    args = ["generate", "--prompts", str(_prompts_file(tmp_path)), "--target", str(target), "--draft", str(draft),
+    args = ["generate", "--prompts", str(mixed_prompts_file(tmp_path, "how many people could go")), "--target", str(target), "--draft", str(draft),
             "--batch-size", "2", "--num-draft-tokens", "3", "--max-new-tokens", "8", *sampling]
     assert main(args + ["--output", str(tmp_path / "here.jsonl")]) == 0
     here = json.loads(capsys.readouterr().out)
@@ -251,7 +235,7 @@ def test_cli_ray_writes_what_generate_writes(cluster, tiny_pair_dirs, tmp_path, 
 def test_cli_worker_that_cannot_load_its_models_is_one_clear_line(cluster, tiny_pair_dirs, tmp_path, capsys):
     _, draft = tiny_pair_dirs
     missing = tmp_path / "no-such-model"
-    code = main(["generate", "--prompts", str(_prompts_file(tmp_path)), "--target", str(missing), "--draft", str(draft),
+    code = main(["generate", "--prompts", str(mixed_prompts_file(tmp_path, "how many people could go")), "--target", str(missing), "--draft", str(draft),
                  "--ray"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
@@ -260,7 +244,7 @@ def test_cli_worker_that_cannot_load_its_models_is_one_clear_line(cluster, tiny_
 
 def test_without_ray_flag_ray_is_never_imported(tiny_pair_dirs, tmp_path):
     target, draft = tiny_pair_dirs
-    argv = ["generate", "--prompts", str(_prompts_file(tmp_path)), "--target", str(target), "--draft", str(draft),
+    argv = ["generate", "--prompts", str(mixed_prompts_file(tmp_path, "how many people could go")), "--target", str(target), "--draft", str(draft),
             "--max-new-tokens", "2"]
     code = (f"import sys, batchspec; from batchspec.cli import main; rc = main({argv!r}); "
             "print(rc, sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
@@ -282,7 +266,7 @@ def test_without_ray_flag_ray_is_never_imported(tiny_pair_dirs, tmp_path):
 )
 def test_bad_ray_options_are_one_clear_line(tiny_pair_dirs, tmp_path, capsys, extra, message):
     target, draft = tiny_pair_dirs
-    code = main(["generate", "--prompts", str(_prompts_file(tmp_path)), "--target", str(target), *extra])
+    code = main(["generate", "--prompts", str(mixed_prompts_file(tmp_path, "how many people could go")), "--target", str(target), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0]
 
@@ -291,7 +275,7 @@ def test_ray_missing_says_what_to_install(tiny_pair_dirs, tmp_path, capsys, monk
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if not installed
     monkeypatch.delitem(sys.modules, "batchspec.ray")
     target, draft = tiny_pair_dirs
-    code = main(["generate", "--prompts", str(_prompts_file(tmp_path)), "--target", str(target), "--ray"])
+    code = main(["generate", "--prompts", str(mixed_prompts_file(tmp_path, "how many people could go")), "--target", str(target), "--ray"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["batchspec generate: error: Ray is not installed: pip install 'batchspec[ray]'"]
 

@@ -259,3 +259,22 @@ class LengthsDrafter(Drafter):
             rows.append([truth[start + j] if start + j < len(truth) else 3 for j in range(k)])
         lengths = torch.tensor([min(k, self.lengths[s.index % len(self.lengths)]) for s in seqs])
         return Draft(torch.tensor(rows, dtype=torch.long).view(len(seqs), k), None, lengths)
+
+
+def mixed_prompts_file(tmp_path: Path, *more: str) -> Path:
+    """A prompts file with every kind of input the CLI meets: good prompts, SpecBench turns, a bad
+    line, an empty and an over-long prompt (plus `more` prompt texts)."""
+    import json
+
+    lines = [
+        json.dumps({"id": "a", "prompt": "the water is long"}),
+        json.dumps({"id": "empty", "prompt": "   "}),
+        "{not json",
+        json.dumps({"id": "b", "turns": ["call him now and then", "ignored second turn"]}),
+        json.dumps({"id": "long", "prompt": "word " * 600}),
+        json.dumps({"id": "c", "prompt": "write the number"}),
+        *(json.dumps({"id": chr(ord("d") + i), "prompt": text}) for i, text in enumerate(more)),
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
