@@ -13,6 +13,7 @@ from tinyworld import (
     ScheduledSpeculation,
     ScriptedCosts,
     ScriptedDrafter,
+    assert_oracle_matches_generate,
     perturbed_copy,
     random_prompts,
     tiny_model,
@@ -59,12 +60,7 @@ def one_or_up_to(top: int) -> st.SearchStrategy[int]:
 
 def test_oracle_matches_transformers_generate():
     """The oracle itself: our batch-1 loop equals transformers' own greedy generate."""
-    model = target("llama")
-    for prompt in random_prompts(3, [1, 6, 13], seed=5):
-        ids = torch.tensor([prompt])
-        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert greedy_decode(model, prompt, 12) == hf
+    assert_oracle_matches_generate(target("llama"))
 
 
 @settings(max_examples=60)

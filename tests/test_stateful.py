@@ -15,6 +15,7 @@ from tinyworld import (
     TINY_STATEFUL_ARCHS,
     VOCAB_SIZE,
     ScriptedDrafter,
+    assert_oracle_matches_generate,
     perturbed_copy,
     random_prompts,
     tiny_model,
@@ -97,12 +98,7 @@ def test_cached_forwards_continue_the_state_exactly(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_oracle_matches_transformers_generate(arch):
     """The oracle's plain loop on the model's own cache equals the model's own greedy generate."""
-    model = target(arch)
-    for prompt in random_prompts(3, [1, 6, 13], seed=5):
-        ids = torch.tensor([prompt])
-        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert greedy_decode(model, prompt, 12) == hf
+    assert_oracle_matches_generate(target(arch))
 
 
 # ---- exactness ---------------------------------------------------------------------------------------

@@ -278,3 +278,15 @@ def mixed_prompts_file(tmp_path: Path, *more: str) -> Path:
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def assert_oracle_matches_generate(model: torch.nn.Module) -> None:
+    """The tests' oracle (plain batch-1 greedy decoding) equals transformers' own greedy `generate`
+    on a few prompts, 1 to 13 tokens long."""
+    from batchspec.reference import greedy_decode
+
+    for prompt in random_prompts(3, [1, 6, 13], seed=5):
+        ids = torch.tensor([prompt])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert greedy_decode(model, prompt, 12) == hf

@@ -110,13 +110,17 @@ class Layout(ABC):
         stateful layout spends keeping states); none by default."""
         return {}
 
-    @abstractmethod
     def row_slots(self, row: int) -> tuple[int, int]:
-        """(first slot, count) of row's committed tokens in the store."""
+        """(first slot, count) of row's committed tokens in the store; with per-row cursors every row
+        starts at slot 0."""
+        return 0, int(self.lengths[row])
 
-    @abstractmethod
     def violations(self) -> list[str]:
-        """Structural invariants of this layout that do not hold right now (empty = fine)."""
+        """Structural invariants of this layout that do not hold right now (empty = fine); with
+        per-row cursors, that no cursor has run past the store."""
+        if self.num_rows and int(self.lengths.max()) > self.store.capacity:
+            return [f"a cursor is past the KV capacity ({self.store.capacity})"]
+        return []
 
     def drop(self, keep: list[bool]) -> list[int]:
         """Remove rows whose `keep` is False by moving the last kept rows into the holes (only the

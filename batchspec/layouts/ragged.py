@@ -68,12 +68,3 @@ class RaggedLayout(Layout):
 
     def commit(self, lengths: torch.Tensor) -> None:
         self.lengths = lengths.to(self.device)
-
-    def row_slots(self, row: int) -> tuple[int, int]:
-        return 0, int(self.lengths[row])
-
-    def violations(self) -> list[str]:
-        problems = []
-        if self.num_rows and int(self.lengths.max()) > self.store.capacity:
-            problems.append(f"a cursor is past the KV capacity ({self.store.capacity})")
-        return problems

@@ -107,13 +107,8 @@ class StatefulLayout(Layout):
     def counters(self) -> dict[str, float]:
         return {"state_time": self.state_time, "state_replay_forwards": self.replay_forwards}
 
-    def row_slots(self, row: int) -> tuple[int, int]:
-        return 0, int(self.lengths[row])
-
     def violations(self) -> list[str]:
-        problems = []
-        if self.num_rows and int(self.lengths.max()) > self.store.capacity:
-            problems.append(f"a cursor is past the KV capacity ({self.store.capacity})")
+        problems = super().violations()
         if bool((self.committed > self.lengths).any()):
             problems.append("a committed state is ahead of the tokens fed")
         return problems
