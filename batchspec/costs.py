@@ -1,5 +1,6 @@
 """What a round costs, measured: the time of one target forward by rows and tokens per row, and of
-one drafter step by rows, on this machine, these models, this dtype and device.
+one drafter forward by rows and tokens per row (a drafting step feeds 1 or 2; catching a row up,
+a deferred prefill of its prompt, feeds many), on this machine, these models, this dtype and device.
 
 Adaptive speculation (`batchspec.speculation`) chooses how many drafts to verify by comparing the
 tokens they are expected to add with the time they add, so the times must be this machine's: on a
@@ -38,6 +39,9 @@ SCALE_BOUNDS = (0.2, 5.0)  # a single odd round (a GC pause, a page fault) may n
 CONTEXT = 32  # committed tokens per row while measuring: decode-like, and cheap to prefill
 REPEATS = 2  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
 MAX_GRID = 4  # measured points per axis; the rest is interpolated
+# Drafter forwards timed: its steps (1 and 2 tokens) and catch-ups (a deferred prefill of a row's
+# prompt, a shared forward after rounds without drafts), extrapolated linearly beyond the last.
+DRAFT_TOKENS = [1, 2, 16, 128]
 
 
 class Costs(Protocol):
@@ -47,7 +51,7 @@ class Costs(Protocol):
         """One target forward of `tokens` tokens for each of `rows` rows."""
 
     def draft_time(self, rows: int, tokens: int) -> float:
-        """One drafter step feeding `tokens` tokens to each of `rows` rows (0 without a drafter model)."""
+        """One drafter forward feeding `tokens` tokens to each of `rows` rows (0 without a drafter model)."""
 
     def overhead(self) -> float:
         """Per round, outside the forwards (acceptance, commits, bookkeeping)."""
@@ -225,11 +229,11 @@ def costs_dir() -> Path:
 _MEMO: dict[str, TimingTable] = {}
 
 
-def calibrated(model: torch.nn.Module, rows: int, tokens: int, all_logits: bool, fresh: bool = False,
+def calibrated(model: torch.nn.Module, rows: int, tokens: list[int], all_logits: bool, fresh: bool = False,
                measure_fn: Callable[..., TimingTable] = measure) -> tuple[TimingTable, str]:
-    """The model's timing table covering `rows` x `tokens`: from this process, from the cache file,
-    or measured now (and cached); `fresh` measures anew whatever is cached. Returns it and where it
-    came from."""
+    """The model's timing table covering up to `rows` rows and the `tokens` grid: from this
+    process, from the cache file, or measured now (and cached); `fresh` measures anew whatever is
+    cached. Returns it and where it came from."""
     parts = fingerprint(model) | {"all_logits": all_logits}
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     path = costs_dir() / f"{key}.json"
@@ -239,11 +243,10 @@ def calibrated(model: torch.nn.Module, rows: int, tokens: int, all_logits: bool,
             table = TimingTable(**json.loads(path.read_text(encoding="utf-8"))["table"])
         except (OSError, ValueError, KeyError, TypeError):
             table = None  # unreadable: measure again
-    if table is not None and table.covers(rows, tokens):
+    if table is not None and table.covers(rows, max(tokens)):
         _MEMO[key] = table
         return table, f"cached {path}"
-    token_grid = grid(tokens, (2,)) if all_logits else [1, 2]
-    table = measure_fn(model, grid(rows), token_grid, all_logits)
+    table = measure_fn(model, grid(rows), tokens, all_logits)
     _MEMO[key] = table
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,10 +260,10 @@ def calibrated(model: torch.nn.Module, rows: int, tokens: int, all_logits: bool,
 def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows: int, max_drafts: int,
                    fresh: bool = False) -> MeasuredCosts:
     """Costs of rounds of up to `rows` rows and `max_drafts` drafts each (verify feeds max_drafts + 1)."""
-    verify, where = calibrated(target, rows, max_drafts + 1, all_logits=True, fresh=fresh)
+    verify, where = calibrated(target, rows, grid(max_drafts + 1, (2,)), all_logits=True, fresh=fresh)
     draft_table = None
     if draft is not None:
-        draft_table, draft_where = calibrated(draft, rows, 2, all_logits=False, fresh=fresh)
+        draft_table, draft_where = calibrated(draft, rows, DRAFT_TOKENS, all_logits=False, fresh=fresh)
         where = f"target {where}; drafter {draft_where}"
     return MeasuredCosts(verify, draft_table, where)
 

@@ -223,7 +223,10 @@ class Engine:
                 model_drafter = ModelDrafter(PaddedLayout(self.draft_model, group, capacity),
                                              pool=RaggedLayout(self.draft_model, rows, capacity))
             else:
-                model_drafter = ModelDrafter(self.layout_class(self.draft_model, rows, capacity))
+                # Adaptive speculation may never draft for a row: its prompt is prefilled when it first pays.
+                layout = self.layout_class(self.draft_model, rows, capacity)
+                lazy = self.spec.speculation == "adaptive" and isinstance(layout, RaggedLayout)
+                model_drafter = ModelDrafter(layout, lazy=lazy)
         if self.drafter is None and self.spec.speculative:
             if self.spec.drafter == "ngram":
                 self.drafter = NgramDrafter(self.spec.ngram_min, self.spec.ngram_max, self.layout.device)
@@ -353,7 +356,7 @@ class Engine:
             self.layout.load_rows(self.home, rows, lengths)
             if self.drafter is not None:
                 self.drafter.load(rows, seqs)
-        plan = self.speculation.plan(seqs) if self.drafter is not None else RoundPlan(0)
+        plan = self.speculation.plan(seqs, self.drafter.backlog(seqs)) if self.drafter is not None else RoundPlan(0)
         pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=device)
         proposal = draft = empty_draft(len(seqs), device)
         if plan.steps > 0:
@@ -394,7 +397,8 @@ class Engine:
         if self.checker is not None:
             self.checker(self._views(group), self.stats.rounds)
         t3 = wall_clock(self.target)
-        self.speculation.observe(seqs, plan, draft, count, (t1 - t0, t2 - t1, t3 - t2))
+        catch_up = self.drafter.last_catch_up() if plan.steps > 0 else 0.0  # a deferred prefill, not drafting
+        self.speculation.observe(seqs, plan, draft, count, (t1 - t0 - catch_up, t2 - t1, t3 - t2))
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         self.stats.other_time += wall_clock(self.target) - t2

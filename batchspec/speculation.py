@@ -23,6 +23,13 @@ Width 0 is a plain decoding step: the drafter does not run at all. When the esti
 at width 0, a one-draft probe runs now and then (at intervals that double while probes do not pay)
 so that acceptance that recovers (a row starts copying code, say) is noticed.
 
+The drafter may first have to catch a row up: a prompt it has not prefilled (it prefills lazily,
+`batchspec.drafters.model`) or a long run of plain steps. That is an investment over the row's
+remaining tokens, not a cost of one round, so it is weighed before the round (`leave_out`): a row
+whose catch-up costs more than drafting for it is expected to save is left out of drafting (its
+cap is 0) and decodes plainly; at a large batch, where every row waits for one row's catch-up and
+speculation gains little, that is most rows, and plain decoding costs what `ar` does.
+
 Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
 greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen;
 for rejection-sampled rows the confidence is sum(q^2), known before a draft is drawn, so the rule
@@ -67,7 +74,9 @@ class Speculation(ABC):
     """A speculation policy: plans a round, trims what the drafter proposed, learns from the outcome."""
 
     @abstractmethod
-    def plan(self, seqs: list[Sequence]) -> RoundPlan: ...
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
+        """The round for these rows; backlog[b]: tokens the drafter must be fed in a forward of row
+        b's own before it can draft for it (`Drafter.backlog`; None: nothing)."""
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
         """The drafts to verify, out of what the drafter proposed."""
@@ -89,7 +98,7 @@ class FixedSpeculation(Speculation):
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def plan(self, seqs: list[Sequence]) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
         return RoundPlan(max(0, min(self.k, max(s.remaining for s in seqs) - 1)))
 
 
@@ -192,6 +201,7 @@ class RoundSteering:
     seqs: list[Sequence]
     caps: torch.Tensor  # [b] most drafts each row can use
     alpha: torch.Tensor  # [b, k_max] per-slot acceptance probability (conditional on the slots before)
+    backlog: torch.Tensor  # [b] tokens the drafter must catch up on alone before drafting for the row
     probe: bool = False
     steps: int = 0  # drafter steps run so far
     confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
@@ -207,6 +217,9 @@ class RoundSteering:
         stop = self.policy.best_width(self, 0, step, step)
         go = self.policy.best_width(self, step + 1, int(self.caps.max()), step)
         return go[1] > stop[1]
+
+    def drafting(self) -> torch.Tensor:
+        return self.caps > 0
 
     def observed(self, step: int, logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None) -> None:
         confidence = draft_confidence(logits, tokens, forced, self.seqs).double().cpu()
@@ -253,16 +266,43 @@ class AdaptiveSpeculation(Speculation):
                 best = (width, rate)
         return best
 
-    def plan(self, seqs: list[Sequence]) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
         caps = torch.tensor([min(self.k_max, s.remaining - 1) for s in seqs], dtype=torch.long).clamp(min=0)
         top = int(caps.max())
         if top == 0:
             return RoundPlan(0)
-        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs)))
+        lags = torch.tensor(backlog if backlog is not None else [0] * len(seqs), dtype=torch.long)
+        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs), lags))
+
+    def leave_out(self, steer: RoundSteering) -> None:
+        """Cap at 0 the rows whose catch-up (`backlog`: a prompt the drafter has not prefilled, say)
+        would cost more than drafting for them is expected to save over the tokens they have left.
+
+        Saving per token of row b: a plain step's time minus a speculative round's time per token
+        the row commits in it, T(0) - T(w) / (1 + g_b), at the width w the batch would choose and
+        the row's expected accepted drafts g_b; over its remaining tokens, divided by the rows
+        (one row finishing sooner frees 1/rows of the batch). The catch-up stalls every row for
+        its whole forward. Optimistic where a row stops early (EOS), conservative where the batch
+        speculates anyway (then the row's extra slots cost nothing). Rows already caught up stay."""
+        lagging = steer.backlog > 0
+        top = int(steer.caps.max())
+        if not bool(lagging.any()) or top == 0:
+            return
+        rows = len(steer.seqs)
+        width, _ = self.best_width(steer, 1, top, 0)
+        gain = steer.cumulative(width).sum(dim=1)
+        per_token = self.round_time(rows, 0, 0) - self.round_time(rows, width, width) / (1 + gain)
+        remaining = torch.tensor([s.remaining for s in steer.seqs], dtype=torch.float64)
+        saved = remaining * per_token / rows
+        cost = torch.tensor([self.costs.draft_time(1, int(n)) for n in steer.backlog], dtype=torch.float64)
+        steer.caps = torch.where(lagging & (saved <= cost), 0, steer.caps)
 
     def open(self, steer: RoundSteering) -> bool:
         """Whether to run the drafter at all this round (its first step), probing now and then when
-        the estimates keep saying no."""
+        the estimates keep saying no; rows whose catch-up does not pay are left out first."""
+        self.leave_out(steer)
+        if int(steer.caps.max()) == 0:
+            return False
         _, stop = self.best_width(steer, 0, 0, 0)
         _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
         if go > stop:

@@ -59,18 +59,19 @@ def test_calibration_is_cached_per_model_and_refreshed_when_it_does_not_cover(tm
         return TimingTable(rows, tokens, [[0.1 * r * t for t in tokens] for r in rows])
 
     llama, gpt2 = tiny_model("llama", vocab_size=50), tiny_model("gpt2", vocab_size=50)
-    table, where = calibrated(llama, 4, 6, True, measure_fn=fake)
+    table, where = calibrated(llama, 4, [1, 2, 4, 6], True, measure_fn=fake)
     assert calls == [([1, 2, 4], [1, 2, 4, 6])] and "measured" in where
     assert len(list(tmp_path.glob("*.json"))) == 1
     monkeypatch.setattr(costs_module, "_MEMO", {})  # a new process: the file answers
-    again, where = calibrated(llama, 2, 3, True, measure_fn=fake)
+    again, where = calibrated(llama, 2, [1, 2, 3], True, measure_fn=fake)
     assert again == table and len(calls) == 1 and "cached" in where
-    calibrated(llama, 8, 6, True, measure_fn=fake)  # more rows than measured: measure again
-    calibrated(gpt2, 2, 3, True, measure_fn=fake)  # another model: its own entry
-    calibrated(llama, 2, 3, False, measure_fn=fake)  # drafter steps are timed apart from verifies
-    calibrated(llama, 2, 3, True, fresh=True, measure_fn=fake)
-    assert [c[0] for c in calls[1:]] == [[1, 2, 4, 8], [1, 2], [1, 2], [1, 2]]
-    assert calls[3][1] == [1, 2]
+    calibrated(llama, 8, [1, 2, 6], True, measure_fn=fake)  # more rows than measured: measure again
+    calibrated(gpt2, 2, [1, 3], True, measure_fn=fake)  # another model: its own entry
+    calibrated(llama, 2, [1, 2], False, measure_fn=fake)  # drafter steps are timed apart from verifies
+    calibrated(llama, 2, [1, 2, 7], True, measure_fn=fake)  # more tokens than measured: measure again
+    calibrated(llama, 2, [1, 3], True, fresh=True, measure_fn=fake)
+    assert [c[0] for c in calls[1:]] == [[1, 2, 4, 8], [1, 2], [1, 2], [1, 2], [1, 2]]
+    assert [c[1] for c in calls[1:]] == [[1, 2, 6], [1, 3], [1, 2], [1, 2, 7], [1, 3]]
     assert fingerprint(llama) != fingerprint(gpt2)
     assert fingerprint(llama) == fingerprint(tiny_model("llama", vocab_size=50))
 

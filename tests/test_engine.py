@@ -533,6 +533,61 @@ def test_rounds_without_drafts_then_speculative_rounds(method, scheduler):
     assert any(0 in s.chosen_k and any(s.chosen_k) for s in outputs)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+@pytest.mark.parametrize("catch_up", ["free", "dear"])
+def test_lazy_drafter_prefills_a_prompt_only_once_drafting_for_it_pays(arch, catch_up, monkeypatch):
+    """Under adaptive speculation the drafter prefills nothing at admission. Each row's prompt is fed
+    to it (a forward of that row alone) the first time drafting for the row is worth that cost; until
+    then the row is left out of speculative rounds (fed along, its drafter cursor set back) and
+    decodes plainly. Rows in and out of drafting in one round, all exact, K/V checked every round."""
+    prompts = random_prompts(5, [60, 4, 45, 7, 90], seed=31)
+    budgets = [12, 20, 30, 20, 25]
+    costs = ScriptedCosts(1.0, 0.01, 0.01, draft_token=0.0 if catch_up == "free" else 10.0)
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, speculation="adaptive", check_invariants=True)
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=costs)
+    engine.reserve(rows=3, capacity=128)
+    fed_alone: list[int] = []
+    prefill, feed_row = RaggedLayout.prefill, RaggedLayout.feed_row
+
+    def spied_prefill(self, prompts):
+        assert self is not engine.drafter.layout, "the drafter prefilled at admission"
+        return prefill(self, prompts)
+
+    def spied_feed_row(self, row, tokens):
+        fed_alone.append(len(tokens))
+        return feed_row(self, row, tokens)
+
+    monkeypatch.setattr(RaggedLayout, "prefill", spied_prefill)
+    monkeypatch.setattr(RaggedLayout, "feed_row", spied_feed_row)
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle(arch, prompts, outputs, budgets)
+    long_rows = [s for s in outputs if len(s.prompt_ids) > 32]
+    short_rows = [s for s in outputs if len(s.prompt_ids) <= 32]
+    assert all(any(s.chosen_k) for s in short_rows)
+    caught_up = engine.stats.extra["draft_catch_up_tokens"]
+    if catch_up == "free":
+        assert all(any(s.chosen_k) for s in long_rows)
+        assert sorted(fed_alone) == sorted(len(s.prompt_ids) - 1 for s in long_rows)  # once each, whole prompt
+        assert caught_up >= sum(fed_alone)
+    else:
+        assert not any(any(s.chosen_k) for s in long_rows) and fed_alone == []
+        assert caught_up < sum(len(s.prompt_ids) for s in short_rows) + sum(budgets)
+
+
+def test_a_lazy_catch_up_never_runs_past_the_kv_slots():
+    """A row joining late (continuous batching) is caught up while another is deep into its budget:
+    one forward shared by both would write the joining row's prompt after the other's cursor, past
+    the slots reserved; the drafter feeds the joining row alone instead. Exact, K/V checked."""
+    arch = "llama"
+    prompts = random_prompts(3, [3, 4, 30], seed=37)
+    budgets = [40, 32, 4]
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2, speculation="adaptive", check_invariants=True)
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=ScriptedCosts(*COSTS["free"]))
+    outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
+    assert_matches_oracle(arch, prompts, outputs, budgets)
+    assert all(any(s.chosen_k) for s in outputs[:2]) and engine.stats.extra["draft_catch_up_tokens"] >= 29
+
+
 def test_plain_steps_cost_what_ar_costs(monkeypatch):
     """With drafting far too dear to pay, the adaptive policy runs plain steps (target fed one token
     per row, drafter idle) except for occasional one-draft probes, and outputs stay exact."""

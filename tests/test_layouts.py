@@ -74,6 +74,26 @@ def test_staged_prompt_in_chunks_equals_a_whole_prefill(chunks):
         assert_row_holds(layout, row, p)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_empty_rows_fed_one_at_a_time_hold_what_a_prefill_holds(arch):
+    """A lazy drafter's rows: appended empty, then each fed its prompt in pieces (a deferred prefill,
+    later catch-ups) by a forward of that row alone; the other rows are untouched."""
+    prompts = random_prompts(3, [9, 4, 6], seed=8)
+    layout = RaggedLayout(model(arch), 4, 16)
+    layout.prefill(prompts[:1])
+    layout.add_empty(2)
+    assert layout.lengths.tolist() == [9, 0, 0]
+    layout.feed_row(2, prompts[2][:5])
+    layout.feed_row(1, prompts[1])
+    layout.feed_row(2, prompts[2][5:])
+    assert layout.lengths.tolist() == [9, 4, 6]
+    for row, p in enumerate(prompts):
+        assert_row_holds(layout, row, p)
+    logits = layout.forward(torch.tensor([[p[-1]] for p in prompts]), last_only=True)[:, -1]
+    for row, p in enumerate(prompts):
+        torch.testing.assert_close(logits[row], alone(arch, p + [p[-1]]), atol=TOL, rtol=TOL)
+
+
 def test_a_staged_prompt_follows_the_rows_down_when_rows_are_dropped():
     prompt = random_prompts(1, [5], seed=5)[0]
     others = random_prompts(3, [4, 6, 2], seed=6)

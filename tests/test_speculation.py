@@ -123,6 +123,43 @@ def test_one_draft_pays_exactly_above_the_break_even_acceptance():
     assert break_even(ScriptedCosts(1.0, 0.2, 10.0), 2, 1) is None  # a step dearer than two tokens' worth
 
 
+def test_rows_whose_catch_up_does_not_pay_are_left_out():
+    """A row the drafter has not caught up on (a prompt it has not prefilled) joins the round only if
+    drafting for it is expected to save more than feeding it costs: a longer backlog, fewer tokens
+    left or a bigger batch (its catch-up stalls every row) leave it out; rows without backlog stay."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.02, draft_step=0.05, draft_token=0.002)
+    policy = AdaptiveSpeculation(K, costs)
+    seqs = rows(4, budget=40) + [Sequence(9, [5, 6, 7], SamplingParams(max_new_tokens=3), frozenset())]
+    teach(policy, seqs, accepted=4)
+    steer = policy.plan(seqs, [0, 300, 2000, 100000, 300]).steer
+    assert steer.proceed(0)
+    assert steer.drafting().tolist() == [True, True, True, False, False]  # the last: 2 tokens left
+
+    def joined(backlog: int, batch: int) -> bool:
+        seqs = rows(batch, budget=40)
+        teach(policy, seqs, accepted=4)
+        steer = policy.plan(seqs, [backlog] + [0] * (batch - 1)).steer
+        return steer.proceed(0) and bool(steer.drafting()[0])
+
+    limits = []
+    for batch in (1, 4):
+        verdicts = [joined(n, batch) for n in (0, 500, 2000, 8000, 30000, 100000)]
+        assert verdicts[0] and not verdicts[-1]
+        assert verdicts == sorted(verdicts, reverse=True)  # monotone in the backlog
+        limits.append(verdicts.count(True))
+    assert limits[0] > limits[1]  # a bigger batch tolerates less catch-up per row
+
+
+def test_lagging_rows_alone_do_not_open_the_drafter_when_catching_up_does_not_pay():
+    policy = AdaptiveSpeculation(K, ScriptedCosts(1.0, 0.02, 0.05, draft_token=0.01))
+    seqs = rows(2)
+    teach(policy, seqs, accepted=4)
+    steer = policy.plan(seqs, [5000, 6000]).steer
+    assert not steer.proceed(0) and not steer.drafting().any()
+    steer = policy.plan(seqs, [0, 6000]).steer
+    assert steer.proceed(0) and steer.drafting().tolist() == [True, False]  # the row without backlog drafts
+
+
 def test_rows_cap_at_their_budget_and_rows_without_budget_plan_nothing():
     policy = AdaptiveSpeculation(K, ScriptedCosts(1.0, 0.0, 0.0))
     seqs = rows(3, budget=3)

@@ -198,18 +198,21 @@ class ScriptedDrafter(Drafter):
 
 class ScriptedCosts:
     """A cost model for tests, so no decision depends on timing: a verify forward costs
-    `verify_base + verify_token * rows * tokens`, a drafter step `draft_step` whatever it feeds. The
-    rounds the engine reports are kept in `observed` and change nothing."""
+    `verify_base + verify_token * rows * tokens`, a drafter forward `draft_step`, plus `draft_token` per
+    row and token beyond the two a drafting step feeds (a catch-up: a prompt it has not prefilled).
+    The rounds the engine reports are kept in `observed` and change nothing."""
 
-    def __init__(self, verify_base: float = 1.0, verify_token: float = 0.1, draft_step: float = 0.2) -> None:
+    def __init__(self, verify_base: float = 1.0, verify_token: float = 0.1, draft_step: float = 0.2,
+                 draft_token: float = 0.0) -> None:
         self.verify_base, self.verify_token, self.draft_step = verify_base, verify_token, draft_step
+        self.draft_token = draft_token
         self.observed: list[tuple[int, int, int]] = []
 
     def verify_time(self, rows: int, tokens: int) -> float:
         return self.verify_base + self.verify_token * rows * tokens
 
     def draft_time(self, rows: int, tokens: int) -> float:
-        return self.draft_step
+        return self.draft_step + self.draft_token * rows * max(0, tokens - 2)
 
     def overhead(self) -> float:
         return 0.0
@@ -230,7 +233,7 @@ class ScheduledSpeculation(Speculation):
         self.seqs: list[Sequence] = []
         self.steps = 0
 
-    def plan(self, seqs: list[Sequence]) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
         steps = self.schedule[self.round % len(self.schedule)]
         self.round += 1
         self.seqs = seqs

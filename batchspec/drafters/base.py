@@ -74,6 +74,11 @@ class Steering(Protocol):
 
     def proceed(self, step: int) -> bool: ...
 
+    def drafting(self) -> torch.Tensor:
+        """Bool [b]: the rows to draft for this round, once `proceed(0)` said to draft at all (a row
+        left out is not caught up, and its drafts are not proposed)."""
+        ...
+
     def observed(self, step: int, logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None) -> None: ...
 
 
@@ -85,8 +90,9 @@ class Drafter(ABC):
     between rounds (EXSPEC), `load` the round's rows from the pool and `save` them back. A drafter
     that keeps state it can check exposes it in `views`. Stateless drafters ignore all but `propose`.
 
-    Adaptive speculation adds `propose_steered` (draft while a `Steering` says it pays) and `skip` (a
-    round passed without drafts); both have defaults, so a drafter that knows neither still works.
+    Adaptive speculation adds `propose_steered` (draft while a `Steering` says it pays), `skip` (a
+    round passed without drafts) and `backlog` (what catching a row up would feed it); all have
+    defaults, so a drafter that knows none of them still works.
     """
 
     def add(self, seqs: list[Sequence]) -> None:
@@ -107,6 +113,16 @@ class Drafter(ABC):
         """Up to k drafts per row, drafting step by step only while `steer` says so. The default
         drafts all k at once (a drafter that cannot stop early); the engine trims afterwards."""
         return self.propose(seqs, k, pick)
+
+    def backlog(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens per row this drafter must be fed, in a forward of that row's own, before it can
+        draft for it (a prompt it has not prefilled yet); the speculation policy weighs that cost."""
+        return [0] * len(seqs)
+
+    def last_catch_up(self) -> float:
+        """Seconds the last `propose` spent catching rows up rather than drafting (a deferred
+        prefill): not a drafting step's cost, so the cost model does not learn from it."""
+        return 0.0
 
     def skip(self, seqs: list[Sequence]) -> None:
         """The round runs without drafts: forget anything fed beyond the committed tokens, since the

@@ -7,37 +7,68 @@ per-row branching; recomputing one token's K/V costs next to nothing.
 
 Rounds without drafts (adaptive speculation turned them down) do not involve it at all, so the
 sequences run ahead of its cache. It first `skip`s such a round: its cursors fall back to committed
-tokens only (drafts it fed are not the sequence's). At the next `propose`, every row that lags by
-more than the usual two tokens is caught up by one extra forward that feeds each row what it has
-not seen but its last two tokens (ragged per row: right-padded to the longest catch-up, the padding
-slots lying beyond each row's cursor afterwards); the usual two-token step follows. So a row never
-re-prefills, whatever the number of rounds without drafts, and rounds with drafts cost what they did.
+tokens only (drafts it fed are not the sequence's). At the next `draft`, every row that lags by more
+than the usual two tokens is caught up before the usual two-token step: a short lag in one forward
+shared by all rows (ragged per row: right-padded to the longest catch-up, the padding slots lying
+beyond each row's cursor afterwards), a long one (over SHARED_CATCH_UP tokens) in a forward of that
+row alone at its own length, as a prefill would. So a row never re-prefills, whatever the number of
+rounds without drafts.
+
+Lazy (adaptive speculation on per-row cursors), it does not prefill prompts at admission at all: a new
+row holds nothing, and its prompt is its lag, caught up the first time the policy finds drafting for it
+worth that cost (`backlog` tells the policy what each row would cost). A row the policy leaves out of a
+round (`Steering.drafting`) is not caught up; it is fed along with the others (the forward is
+rectangular) and its cursor is set back afterwards, so its cache keeps only what is valid.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..layouts import Layout, LayoutView
+from ..costs import wall_clock
+from ..layouts import Layout, LayoutView, RaggedLayout
 from ..layouts.base import FILLER_TOKEN
 from ..sequence import Sequence
 from .base import Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
 
+SHARED_CATCH_UP = 32  # lags up to this many tokens share one forward; longer ones get a forward of their own
+
 
 class ModelDrafter(Drafter):
     """Rows live in `pool` between rounds when one is given (EXSPEC), else in `layout` itself;
-    rounds always run on `layout`."""
+    rounds always run on `layout`. `lazy`: prompts are prefilled when first drafted for, not at
+    admission (per-row cursors only)."""
 
-    def __init__(self, layout: Layout, pool: Layout | None = None) -> None:
+    def __init__(self, layout: Layout, pool: Layout | None = None, lazy: bool = False) -> None:
         self.layout = layout
         self.pool = pool
+        self.rowwise = pool is None and isinstance(layout, RaggedLayout)  # can feed one row alone
+        if lazy and not self.rowwise:
+            raise ValueError("a lazy drafter prefill needs per-row cursors (the ragged layout, unpooled)")
+        self.lazy = lazy
+        self.caught_up_s = 0.0  # spent catching rows up during the last `draft`
+        self.totals = {"draft_catch_up_tokens": 0.0, "draft_catch_up_time": 0.0}
 
     @property
     def _home(self) -> Layout:
         return self.pool if self.pool is not None else self.layout
 
     def add(self, seqs: list[Sequence]) -> None:
-        self._home.prefill([s.prompt_ids for s in seqs])
+        if self.lazy:
+            self.layout.add_empty(len(seqs))
+        else:
+            self._home.prefill([s.prompt_ids for s in seqs])
+
+    def backlog(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens each row would be fed in a forward of its own before it can be drafted for (its
+        prompt, if lazy and never drafted for); 0 where the lag is short enough to share a forward."""
+        if not self.rowwise:
+            return [0] * len(seqs)
+        lags = (self._target(seqs) - torch.minimum(self._committed(seqs), self._target(seqs))).tolist()
+        return [lag if lag > SHARED_CATCH_UP else 0 for lag in lags]
+
+    def last_catch_up(self) -> float:
+        return self.caught_up_s
 
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         return self.draft(seqs, k, pick)
@@ -56,10 +87,12 @@ class ModelDrafter(Drafter):
         """Up to k drafts per row (fewer if `steer` stops it). `forced` = (tokens [b, k], lengths [b])
         replaces row b's first lengths[b] picks by those tokens, which are then what it feeds (a hybrid
         drafter's n-gram proposals): its cache always holds exactly the drafts it proposed."""
+        self.caught_up_s = 0.0
         if steer is not None and not steer.proceed(0):
             self.skip(seqs)
             return empty_draft(len(seqs), self.layout.device)
-        feed = self._catch_up(seqs)
+        joined = steer.drafting() if steer is not None and self.rowwise else None
+        have, feed = self._catch_up(seqs, joined)
         tokens, logits, forced_slots = [], [], []
         for step in range(k):
             step_logits = self.layout.forward(feed, last_only=True)[:, -1]
@@ -76,7 +109,11 @@ class ModelDrafter(Drafter):
                 if step + 1 < k and not steer.proceed(step + 1):
                     break
             feed = token[:, None]
-        return Draft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1),
+        lengths = None
+        if joined is not None and not bool(joined.all()):
+            self.layout.commit(torch.where(joined, self.layout.lengths, have))  # left-out rows keep what is valid
+            lengths = torch.where(joined, len(tokens), 0)
+        return Draft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1), lengths,
                      forced=torch.stack(forced_slots, dim=1) if forced is not None else None)
 
     def _committed(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -87,23 +124,49 @@ class ModelDrafter(Drafter):
         real = torch.tensor([s.length for s in seqs], dtype=torch.long, device=self.layout.device)
         return torch.minimum(self.layout.lengths, real - 1)
 
-    def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Roll back to all but the last two tokens of each row, first feeding, in one ragged forward,
-        what rows lagging further behind have not seen; returns the last two tokens [b, 2] to feed."""
+    def _target(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[b] what each row's cache holds right before a round's two-token step: all but the last two."""
+        return torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
+
+    def _catch_up(self, seqs: list[Sequence], joined: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roll back to all but the last two tokens of each row (of `joined` rows; None: all), first
+        feeding what rows lagging further behind have not seen: long lags row by row, short ones in one
+        shared forward. Returns what each row's cache validly held before [b] and the two tokens [b, 2]
+        to feed next."""
+        start = wall_clock(self.layout.model)
         device = self.layout.device
-        target = torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=device)
+        target = self._target(seqs)
         have = torch.minimum(self._committed(seqs), target)
-        if bool((have < target).any()):
-            self.layout.commit(have)
-            starts, ends = have.tolist(), target.tolist()
-            width = max(e - b for b, e in zip(starts, ends))
-            # tail() copies only the span from b on, not the whole sequence
-            rows = [s.tail(s.length - b)[: e - b] + [FILLER_TOKEN] * (width - (e - b)) for s, b, e in zip(seqs, starts, ends)]
+        joined = torch.ones_like(have, dtype=torch.bool) if joined is None else joined.to(device)
+        lag = torch.where(joined, target - have, 0)
+        self.layout.commit(have)
+        shared = lag > 0
+        if self.rowwise:
+            alone = lag > SHARED_CATCH_UP
+            short = int(lag[~alone].max()) if bool((~alone).any()) else 0
+            if int((have + torch.where(alone, lag, 0)).max()) + short > self.layout.store.capacity:
+                alone = lag > 0  # the shared rectangle would run past some row's slots: no sharing
+            for b in alone.nonzero().flatten().tolist():
+                n, begin = int(lag[b]), int(have[b])
+                self.layout.feed_row(b, seqs[b].tail(seqs[b].length - begin)[:n])
+            shared &= ~alone
+        if bool(shared.any()):
+            width = int(lag[shared].max())
+            rows = []
+            for s, b, n, fed in zip(seqs, have.tolist(), lag.tolist(), shared.tolist()):
+                # tail() copies only the span from b on, not the whole sequence
+                row = s.tail(s.length - b)[:n] if fed else []
+                rows.append(row + [FILLER_TOKEN] * (width - len(row)))
             self.layout.forward(torch.tensor(rows, dtype=torch.long, device=device), last_only=True)
-        self.layout.commit(target)
-        return torch.tensor([s.tail(2) for s in seqs], dtype=torch.long, device=device)
+        self.layout.commit(torch.where(joined, target, have))
+        if bool((lag > 0).any()):
+            self.caught_up_s = wall_clock(self.layout.model) - start
+            self.totals["draft_catch_up_tokens"] += int(lag.sum())
+            self.totals["draft_catch_up_time"] += self.caught_up_s
+        return have, torch.tensor([s.tail(2) for s in seqs], dtype=torch.long, device=device)
 
     def skip(self, seqs: list[Sequence]) -> None:
+        self.caught_up_s = 0.0
         self.layout.commit(self._committed(seqs))
 
     def drop(self, keep: list[bool]) -> list[int]:
@@ -124,16 +187,21 @@ class ModelDrafter(Drafter):
             self.layout.save_rows(self.pool, rows, self.layout.lengths.clamp(max=valid))
 
     def stage(self, tokens: list[int]) -> None:
-        self._home.stage(tokens)
+        if not self.lazy:
+            self._home.stage(tokens)
 
     def unstage(self) -> None:
-        self._home.unstage()
+        if self.lazy:
+            self.layout.add_empty(1)
+        else:
+            self._home.unstage()
 
     def discard_staged(self) -> None:
-        self._home.discard_staged()
+        if not self.lazy:
+            self._home.discard_staged()
 
     def counters(self) -> dict[str, float]:
-        return self._home.counters()
+        return self._home.counters() | self.totals
 
     def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
         """Its cached K/V must hold each row's tokens up to what it last fed (at most all but the

@@ -138,6 +138,12 @@ class HybridDrafter(Drafter):
     def skip(self, seqs: list[Sequence]) -> None:
         self.model.skip(seqs)
 
+    def backlog(self, seqs: list[Sequence]) -> list[int]:
+        return self.model.backlog(seqs)
+
+    def last_catch_up(self) -> float:
+        return self.model.last_catch_up()
+
     def stage(self, tokens: list[int]) -> None:
         self.model.stage(tokens)
 

@@ -28,6 +28,21 @@ class RaggedLayout(Layout):
         self.lengths = torch.cat([self.lengths, lengths])
         return logits
 
+    def add_empty(self, count: int) -> None:
+        """Append rows holding nothing yet (a drafter that prefills them only once it drafts for them)."""
+        self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long, device=self.device)])
+
+    def feed_row(self, row: int, tokens: list[int]) -> None:
+        """Feed tokens to one row right after its committed ones (a prefill of what it lacks, at its own
+        length: no other row computes anything) and commit them."""
+        start, n = int(self.lengths[row]), len(tokens)
+        positions = (start + torch.arange(n, device=self.device))[None]
+        visible = torch.arange(start + n, device=self.device)[None, None, :] <= positions[:, :, None]
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        self._run(slice(row, row + 1), ids, positions, visible, start, 1)
+        self.lengths = self.lengths.clone()
+        self.lengths[row] = start + n
+
     def stage(self, tokens: list[int]) -> torch.Tensor:
         """Feed the next chunk of a prompt into the staging row; its last position's logits [vocab]."""
         row, start, n = self.num_rows, self.staged, len(tokens)
