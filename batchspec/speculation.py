@@ -20,15 +20,19 @@ drafter step, draft on only if some width beyond the drafts in hand promises a b
 stopping with the best prefix of them (their drafting time is sunk either way: LibraSpec's marginal
 criterion, with a full look-ahead rather than one step); after drafting, verify the best prefix.
 Width 0 is a plain decoding step: the drafter does not run at all. When the estimates keep the batch
-at width 0, a one-draft probe runs now and then (at intervals that double while probes do not pay)
-so that acceptance that recovers (a row starts copying code, say) is noticed.
+at width 0, a one-draft probe runs now and then, so that acceptance that recovers (a row starts
+copying code, say) is noticed: once the plain steps since the drafter last ran add up to
+1 / PROBE_SHARE times what a probe costs beyond a plain step, so probing never costs more than
+PROBE_SHARE of plain decoding's time.
 
-The drafter may first have to catch a row up: a prompt it has not prefilled (it prefills lazily,
-`batchspec.drafters.model`) or a long run of plain steps. That is an investment over the row's
-remaining tokens, not a cost of one round, so it is weighed before the round (`leave_out`): a row
-whose catch-up costs more than drafting for it is expected to save is left out of drafting (its
-cap is 0) and decodes plainly; at a large batch, where every row waits for one row's catch-up and
-speculation gains little, that is most rows, and plain decoding costs what `ar` does.
+The drafter may first have to catch rows up: it has not seen what plain steps committed, nor the
+prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). A short lag
+is caught up in one forward shared by all rows and counts as part of the round that drafts. A long
+one (a prompt, a long run of plain steps) is an investment over the row's remaining tokens, weighed
+per row before the round (`leave_out`): a row whose catch-up costs more than drafting for it is
+expected to save is left out of drafting (its cap is 0) and decodes plainly; at a large batch, where
+every row waits for one row's catch-up and speculation gains little, that is most rows, and plain
+decoding costs what `ar` does.
 
 Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
 greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen;
@@ -44,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .costs import Costs
-from .drafters import Draft
+from .drafters import SHARED_CATCH_UP, Draft
 from .sampling import draft_confidence
 from .sequence import Sequence
 
@@ -58,7 +62,7 @@ LOOKUP_PRIOR = 0.5  # ... of a draft without a confidence
 GLOBAL_DECAY = 0.998  # per round: calibration follows drift over a few hundred rounds
 ROW_DECAY = 0.9  # per round of the row: its own history over the last ten or so
 MAX_ACCEPTANCE = 0.999
-PROBE_FIRST, PROBE_LAST = 4, 64  # rounds at width 0 before a probe; doubling up to PROBE_LAST
+PROBE_SHARE = 0.03  # of the time spent in plain steps, at most this goes to probing whether drafting pays again
 
 
 @dataclass
@@ -201,7 +205,7 @@ class RoundSteering:
     seqs: list[Sequence]
     caps: torch.Tensor  # [b] most drafts each row can use
     alpha: torch.Tensor  # [b, k_max] per-slot acceptance probability (conditional on the slots before)
-    backlog: torch.Tensor  # [b] tokens the drafter must catch up on alone before drafting for the row
+    backlog: torch.Tensor  # [b] tokens the drafter must be fed (catch up on) before drafting for the row
     probe: bool = False
     steps: int = 0  # drafter steps run so far
     confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
@@ -242,8 +246,7 @@ class AdaptiveSpeculation(Speculation):
         self.k_max = k_max
         self.costs = costs
         self.model = AcceptanceModel(k_max)
-        self.idle = 0  # rounds in a row at width 0 by choice
-        self.probe_every = PROBE_FIRST
+        self.idle_s = 0.0  # predicted seconds of plain steps since the drafter last ran
 
     def round_time(self, rows: int, width: int, steps: int) -> float:
         """Seconds of a round verifying `width` drafts per row after `steps` drafter steps (the first
@@ -251,17 +254,17 @@ class AdaptiveSpeculation(Speculation):
         drafting = 0.0 if steps == 0 else self.costs.draft_time(rows, 2) + (steps - 1) * self.costs.draft_time(rows, 1)
         return drafting + self.costs.verify_time(rows, width + 1) + self.costs.overhead()
 
-    def best_width(self, steer: RoundSteering, lo: int, hi: int, steps_run: int) -> tuple[int, float]:
+    def best_width(self, steer: RoundSteering, lo: int, hi: int, steps_run: int, extra: float = 0.0) -> tuple[int, float]:
         """The width in [lo, hi] with the most expected tokens per second, and that rate; widths
-        beyond the `steps_run` drafts in hand pay for the drafter steps still needed. An empty range
-        rates -inf."""
+        beyond the `steps_run` drafts in hand pay for the drafter steps still needed, every width
+        `extra` seconds. An empty range rates -inf."""
         if hi < lo:
             return lo, float("-inf")
         rows = len(steer.seqs)
         gains = torch.cat([torch.zeros(1, dtype=torch.float64), steer.cumulative(hi).sum(dim=0).cumsum(dim=0)])
         best = (lo, float("-inf"))
         for width in range(lo, hi + 1):
-            rate = (rows + float(gains[width])) / self.round_time(rows, width, max(width, steps_run))
+            rate = (rows + float(gains[width])) / (self.round_time(rows, width, max(width, steps_run)) + extra)
             if rate > best[1]:
                 best = (width, rate)
         return best
@@ -274,17 +277,27 @@ class AdaptiveSpeculation(Speculation):
         lags = torch.tensor(backlog if backlog is not None else [0] * len(seqs), dtype=torch.long)
         return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs), lags))
 
+    def catch_up_time(self, steer: RoundSteering, long: bool) -> float:
+        """Predicted seconds of catching up the rows that draft this round: their long lags (`long`:
+        a forward of each row's own) or their short ones (one forward shared by all rows)."""
+        lags = torch.where(steer.drafting(), steer.backlog, 0)
+        if long:
+            return sum(self.costs.draft_time(1, int(n)) for n in lags[lags > SHARED_CATCH_UP])
+        short = lags[lags <= SHARED_CATCH_UP]
+        return self.costs.draft_time(len(steer.seqs), int(short.max())) if bool((short > 0).any()) else 0.0
+
     def leave_out(self, steer: RoundSteering) -> None:
-        """Cap at 0 the rows whose catch-up (`backlog`: a prompt the drafter has not prefilled, say)
-        would cost more than drafting for them is expected to save over the tokens they have left.
+        """Cap at 0 the rows whose long catch-up (a prompt the drafter has not prefilled, a long run
+        of plain steps) would cost more than drafting for them is expected to save over the tokens
+        they have left.
 
         Saving per token of row b: a plain step's time minus a speculative round's time per token
         the row commits in it, T(0) - T(w) / (1 + g_b), at the width w the batch would choose and
         the row's expected accepted drafts g_b; over its remaining tokens, divided by the rows
         (one row finishing sooner frees 1/rows of the batch). The catch-up stalls every row for
         its whole forward. Optimistic where a row stops early (EOS), conservative where the batch
-        speculates anyway (then the row's extra slots cost nothing). Rows already caught up stay."""
-        lagging = steer.backlog > 0
+        speculates anyway (then the row's extra slots cost nothing)."""
+        lagging = steer.backlog > SHARED_CATCH_UP
         top = int(steer.caps.max())
         if not bool(lagging.any()) or top == 0:
             return
@@ -298,22 +311,28 @@ class AdaptiveSpeculation(Speculation):
         steer.caps = torch.where(lagging & (saved <= cost), 0, steer.caps)
 
     def open(self, steer: RoundSteering) -> bool:
-        """Whether to run the drafter at all this round (its first step), probing now and then when
-        the estimates keep saying no; rows whose catch-up does not pay are left out first."""
+        """Whether to run the drafter at all this round (its first step). Rows whose long catch-up
+        does not pay are left out; a short catch-up is this round's cost. When the estimates say no,
+        a one-draft probe of every row runs once the plain steps since the drafter last ran have
+        taken 1 / PROBE_SHARE times what the probe costs beyond a plain step."""
+        everyone = steer.caps.clone()
+        rows = len(steer.seqs)
+        plain = self.round_time(rows, 0, 0)
         self.leave_out(steer)
-        if int(steer.caps.max()) == 0:
-            return False
-        _, stop = self.best_width(steer, 0, 0, 0)
-        _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
-        if go > stop:
-            self.idle, self.probe_every = 0, PROBE_FIRST
+        if int(steer.caps.max()) > 0:
+            _, stop = self.best_width(steer, 0, 0, 0)
+            _, go = self.best_width(steer, 1, int(steer.caps.max()), 0, self.catch_up_time(steer, long=False))
+            if go > stop:
+                self.idle_s = 0.0
+                return True
+        steer.caps = everyone
+        probe = sum(self.catch_up_time(steer, long) for long in (False, True)) + self.round_time(rows, 1, 1) - plain
+        if probe <= PROBE_SHARE * self.idle_s:
+            self.idle_s = 0.0
+            steer.probe = True
             return True
-        self.idle += 1
-        if self.idle < self.probe_every:
-            return False
-        self.idle, self.probe_every = 0, min(2 * self.probe_every, PROBE_LAST)
-        steer.probe = True
-        return True
+        self.idle_s += plain
+        return False
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
         steer = plan.steer

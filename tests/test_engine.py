@@ -541,8 +541,8 @@ def test_lazy_drafter_prefills_a_prompt_only_once_drafting_for_it_pays(arch, cat
     then the row is left out of speculative rounds (fed along, its drafter cursor set back) and
     decodes plainly. Rows in and out of drafting in one round, all exact, K/V checked every round."""
     prompts = random_prompts(5, [60, 4, 45, 7, 90], seed=31)
-    budgets = [12, 20, 30, 20, 25]
-    costs = ScriptedCosts(1.0, 0.01, 0.01, draft_token=0.0 if catch_up == "free" else 10.0)
+    budgets = [6, 20, 5, 20, 7]
+    costs = ScriptedCosts(1.0, 0.01, 0.01, draft_token=0.0 if catch_up == "free" else 0.03)
     spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, speculation="adaptive", check_invariants=True)
     engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=costs)
     engine.reserve(rows=3, capacity=128)
@@ -603,10 +603,10 @@ def test_plain_steps_cost_what_ar_costs(monkeypatch):
     monkeypatch.setattr(RaggedLayout, "forward", spy)
     prompts = random_prompts(3, [5, 8, 3], seed=29)
     spec = SpecConfig(method="ragged", num_draft_tokens=5, batch_size=3, speculation="adaptive")
-    engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=ScriptedCosts(1.0, 0.5, 50.0))
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=ScriptedCosts(1.0, 0.5, 0.5))
     state = engine.randomness.generator.get_state()
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=40))
-    assert_matches_oracle(arch, prompts, outputs, 40)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=90))
+    assert_matches_oracle(arch, prompts, outputs, 90)
     probes = sum(1 for w in widths if w > 1)
     assert widths.count(1) > 5 * probes > 0  # plain steps, and a few probes
     assert all(w <= 2 for w in widths)  # a probe verifies a single draft

@@ -3,6 +3,8 @@ verifies, how its acceptance estimates learn, and that its confidence never look
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tinyworld import ScriptedCosts
@@ -10,11 +12,11 @@ from tinyworld import ScriptedCosts
 from batchspec import sampling
 from batchspec.config import SamplingParams
 from batchspec.costs import break_even
-from batchspec.drafters import Draft
+from batchspec.drafters import SHARED_CATCH_UP, Draft
 from batchspec.sequence import Sequence
 from batchspec.speculation import (
     FORCED,
-    PROBE_FIRST,
+    PROBE_SHARE,
     SAMPLED,
     AcceptanceModel,
     AdaptiveSpeculation,
@@ -45,18 +47,28 @@ def peaked(b: int, vocab: int, token: int, p: float) -> torch.Tensor:
     return logits
 
 
-def test_expensive_drafting_and_low_acceptance_choose_plain_steps_with_rare_probes():
-    policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=1.0, verify_token=0.3, draft_step=1.0))
-    seqs = rows(2)
+@pytest.mark.parametrize("lag", [0, 10, 100])
+def test_expensive_drafting_and_low_acceptance_choose_plain_steps_with_rare_probes(lag):
+    """Probes whether drafting pays again take at most PROBE_SHARE of the plain steps' time: a probe
+    (one draft for every row, after catching them up) runs once the plain steps since the drafter last
+    ran cost 1 / PROBE_SHARE times what it adds to a plain step, so a dearer catch-up probes rarer."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.3, draft_step=1.0, draft_token=0.01)
+    policy = AdaptiveSpeculation(K, costs)
+    seqs = rows(2, budget=1000)
     teach(policy, seqs, accepted=0)
     decisions = []
-    for _ in range(PROBE_FIRST * 3):
-        steer = policy.plan(seqs).steer
+    for _ in range(400):
+        steer = policy.plan(seqs, [lag, min(lag, 5)]).steer
         decisions.append((steer.proceed(0), steer.probe))
-    assert decisions[: PROBE_FIRST - 1] == [(False, False)] * (PROBE_FIRST - 1)
-    assert decisions[PROBE_FIRST - 1] == (True, True)  # a probe, then twice as long before the next
-    assert [d for d in decisions[PROBE_FIRST:]].count((True, True)) == 1
-    assert sum(go for go, _ in decisions) == 2
+        if steer.probe:
+            assert steer.drafting().all()  # every row, whatever its catch-up
+    probes = [i for i, (go, probe) in enumerate(decisions) if probe]
+    assert all(go == probe for go, probe in decisions)  # it drafts only to probe
+    plain = policy.round_time(2, 0, 0)
+    catch_up = {0: 0.0, 10: costs.draft_time(2, 10), 100: costs.draft_time(1, 100) + costs.draft_time(2, 5)}[lag]
+    cost = catch_up + policy.round_time(2, 1, 1) - plain
+    every = math.ceil(cost / (PROBE_SHARE * plain)) + 1  # plain steps until the budget allows one, then the probe
+    assert probes == list(range(every - 1, 400, every))
 
 
 def test_high_acceptance_and_cheap_drafting_verify_k_max():
@@ -155,7 +167,7 @@ def test_lagging_rows_alone_do_not_open_the_drafter_when_catching_up_does_not_pa
     seqs = rows(2)
     teach(policy, seqs, accepted=4)
     steer = policy.plan(seqs, [5000, 6000]).steer
-    assert not steer.proceed(0) and not steer.drafting().any()
+    assert not steer.proceed(0)
     steer = policy.plan(seqs, [0, 6000]).steer
     assert steer.proceed(0) and steer.drafting().tolist() == [True, False]  # the row without backlog drafts
 

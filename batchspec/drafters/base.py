@@ -12,6 +12,10 @@ import torch
 from ..layouts.base import LayoutView, swap_remove_order
 from ..sequence import Sequence
 
+# A drafter that lags behind rows catches them up before drafting: lags up to this many tokens in one
+# forward shared by all rows, longer ones in a forward of each row's own (a prefill, in effect).
+SHARED_CATCH_UP = 32
+
 # Turns one step of drafter logits [b, vocab] into tokens [b]; `step` is the draft index within the
 # round (0-based), so seeded samplers can key noise by absolute position.
 Picker = Callable[[torch.Tensor, int], torch.Tensor]
@@ -115,8 +119,8 @@ class Drafter(ABC):
         return self.propose(seqs, k, pick)
 
     def backlog(self, seqs: list[Sequence]) -> list[int]:
-        """Tokens per row this drafter must be fed, in a forward of that row's own, before it can
-        draft for it (a prompt it has not prefilled yet); the speculation policy weighs that cost."""
+        """Tokens per row this drafter must be fed before it can draft for it (what plain steps
+        committed, a prompt it has not prefilled yet): the speculation policy weighs that cost."""
         return [0] * len(seqs)
 
     def last_catch_up(self) -> float:

@@ -29,9 +29,7 @@ from ..costs import wall_clock
 from ..layouts import Layout, LayoutView, RaggedLayout
 from ..layouts.base import FILLER_TOKEN
 from ..sequence import Sequence
-from .base import Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
-
-SHARED_CATCH_UP = 32  # lags up to this many tokens share one forward; longer ones get a forward of their own
+from .base import SHARED_CATCH_UP, Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
 
 
 class ModelDrafter(Drafter):
@@ -60,12 +58,12 @@ class ModelDrafter(Drafter):
             self._home.prefill([s.prompt_ids for s in seqs])
 
     def backlog(self, seqs: list[Sequence]) -> list[int]:
-        """Tokens each row would be fed in a forward of its own before it can be drafted for (its
-        prompt, if lazy and never drafted for); 0 where the lag is short enough to share a forward."""
+        """Tokens each row would be fed before it can be drafted for (its prompt, if lazy and never
+        drafted for). Pooled or padded, rows cannot be left out of a catch-up: none reported."""
         if not self.rowwise:
             return [0] * len(seqs)
-        lags = (self._target(seqs) - torch.minimum(self._committed(seqs), self._target(seqs))).tolist()
-        return [lag if lag > SHARED_CATCH_UP else 0 for lag in lags]
+        target = self._target(seqs)
+        return (target - torch.minimum(self._committed(seqs), target)).tolist()
 
     def last_catch_up(self) -> float:
         return self.caught_up_s
