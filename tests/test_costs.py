@@ -111,7 +111,9 @@ def test_break_even_is_where_one_more_draft_neither_helps_nor_hurts():
 
 def test_cost_report_names_times_and_break_even_rates():
     costs = MeasuredCosts(TimingTable([1, 4], [1, 6], [[0.39, 0.88], [0.6, 2.0]]),
-                          TimingTable([1, 4], [1, 2], [[0.16, 0.2], [0.2, 0.25]]), "measured here")
+                          TimingTable([1, 4], [1, 2, 16, 128], [[0.16, 0.2, 0.25, 0.5], [0.2, 0.25, 0.6, 2.0]]),
+                          "measured here")
     text = render_costs(costs, [1, 4], 5)
     assert "measured here" in text and "390.0" in text and "160.0" in text
+    assert "128 tok/row" in text and "500.0" in text  # what catching a row up (a deferred prefill) costs
     assert "Break-even acceptance" in text and "K=5" in text
