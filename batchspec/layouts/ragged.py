@@ -32,27 +32,28 @@ class RaggedLayout(Layout):
         """Append rows holding nothing yet (a drafter that prefills them only once it drafts for them)."""
         self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long, device=self.device)])
 
+    def _feed_one(self, row: int, start: int, tokens: list[int]) -> torch.Tensor:
+        """One forward of `tokens` into buffer row `row` from slot `start`, no other row computing
+        anything; the last position's logits [vocab]."""
+        positions = (start + torch.arange(len(tokens), device=self.device))[None]
+        visible = torch.arange(start + len(tokens), device=self.device)[None, None, :] <= positions[:, :, None]
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        return self._run(slice(row, row + 1), ids, positions, visible, start, 1)[0, -1]
+
     def feed_row(self, row: int, tokens: list[int]) -> None:
         """Feed tokens to one row right after its committed ones (a prefill of what it lacks, at its own
-        length: no other row computes anything) and commit them."""
-        start, n = int(self.lengths[row]), len(tokens)
-        positions = (start + torch.arange(n, device=self.device))[None]
-        visible = torch.arange(start + n, device=self.device)[None, None, :] <= positions[:, :, None]
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        self._run(slice(row, row + 1), ids, positions, visible, start, 1)
+        length) and commit them."""
+        start = int(self.lengths[row])
+        self._feed_one(row, start, tokens)
         self.lengths = self.lengths.clone()
-        self.lengths[row] = start + n
+        self.lengths[row] = start + len(tokens)
 
     def stage(self, tokens: list[int]) -> torch.Tensor:
         """Feed the next chunk of a prompt into the staging row; its last position's logits [vocab]."""
-        row, start, n = self.num_rows, self.staged, len(tokens)
-        positions = (start + torch.arange(n, device=self.device))[None]
-        visible = torch.arange(start + n, device=self.device)[None, None, :] <= positions[:, :, None]
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        logits = self._run(slice(row, row + 1), ids, positions, visible, start, 1)
-        self.staged += n
-        self.prefill_fed += n
-        return logits[0, -1]
+        logits = self._feed_one(self.num_rows, self.staged, tokens)
+        self.staged += len(tokens)
+        self.prefill_fed += len(tokens)
+        return logits
 
     def unstage(self) -> None:
         """The staged prompt becomes the last row (it already sits there)."""
