@@ -30,9 +30,9 @@ prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.mo
 is caught up in one forward shared by all rows and counts as part of the round that drafts. A long
 one (a prompt, a long run of plain steps) is an investment over the row's remaining tokens, weighed
 per row before the round (`leave_out`): a row whose catch-up is not expected to pay back twice
-over the tokens it has left is left out of drafting (its cap is 0) and decodes plainly; at a large batch, where
-every row waits for one row's catch-up and speculation gains little, that is most rows, and plain
-decoding costs what `ar` does.
+over the tokens it has left is left out of drafting (its cap is 0) and decodes plainly; at a large
+batch, where every row waits for one row's catch-up and speculation gains little, that is most
+rows, and plain decoding costs what `ar` does.
 
 Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
 greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen;
@@ -255,7 +255,8 @@ class AdaptiveSpeculation(Speculation):
         drafting = 0.0 if steps == 0 else self.costs.draft_time(rows, 2) + (steps - 1) * self.costs.draft_time(rows, 1)
         return drafting + self.costs.verify_time(rows, width + 1) + self.costs.overhead()
 
-    def best_width(self, steer: RoundSteering, lo: int, hi: int, steps_run: int, extra: float = 0.0) -> tuple[int, float]:
+    def best_width(self, steer: RoundSteering, lo: int, hi: int, steps_run: int,
+                   extra: float = 0.0) -> tuple[int, float]:
         """The width in [lo, hi] with the most expected tokens per second, and that rate; widths
         beyond the `steps_run` drafts in hand pay for the drafter steps still needed, every width
         `extra` seconds. An empty range rates -inf."""
