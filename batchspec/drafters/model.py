@@ -62,8 +62,8 @@ class ModelDrafter(Drafter):
         drafted for). Pooled or padded, rows cannot be left out of a catch-up: none reported."""
         if not self.rowwise:
             return [0] * len(seqs)
-        target = self._target(seqs)
-        return (target - torch.minimum(self._committed(seqs), target)).tolist()
+        have, target = self._span(seqs)
+        return (target - have).tolist()
 
     def last_catch_up(self) -> float:
         return self.caught_up_s
@@ -122,9 +122,11 @@ class ModelDrafter(Drafter):
         real = torch.tensor([s.length for s in seqs], dtype=torch.long, device=self.layout.device)
         return torch.minimum(self.layout.lengths, real - 1)
 
-    def _target(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[b] what each row's cache holds right before a round's two-token step: all but the last two."""
-        return torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
+    def _span(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([b] what each row's cache validly holds now, [b] what it must hold right before a round's
+        two-token step: all but the last two tokens); a row lags by the difference."""
+        target = torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
+        return torch.minimum(self._committed(seqs), target), target
 
     def _catch_up(self, seqs: list[Sequence], joined: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Roll back to all but the last two tokens of each row (of `joined` rows; None: all), first
@@ -133,8 +135,7 @@ class ModelDrafter(Drafter):
         to feed next."""
         start = wall_clock(self.layout.model)
         device = self.layout.device
-        target = self._target(seqs)
-        have = torch.minimum(self._committed(seqs), target)
+        have, target = self._span(seqs)
         joined = torch.ones_like(have, dtype=torch.bool) if joined is None else joined.to(device)
         lag = torch.where(joined, target - have, 0)
         self.layout.commit(have)
