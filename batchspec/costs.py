@@ -42,6 +42,9 @@ MAX_GRID = 4  # measured points per axis; the rest is interpolated
 # Drafter forwards timed: its steps (1 and 2 tokens) and catch-ups (a deferred prefill of a row's
 # prompt, a shared forward after rounds without drafts), extrapolated linearly beyond the last.
 DRAFT_TOKENS = [1, 2, 16, 128]
+# A cached table whose smallest shape takes this many times what it takes now was measured on a
+# busy machine (a contended 2-core CPU can be several times slower): measured anew, not trusted.
+STALE_FACTOR = 1.3
 
 
 class Costs(Protocol):
@@ -229,32 +232,45 @@ def costs_dir() -> Path:
 _MEMO: dict[str, TimingTable] = {}
 
 
+def _cached_table(path: Path) -> TimingTable | None:
+    try:
+        return TimingTable(**json.loads(path.read_text(encoding="utf-8"))["table"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or unreadable: measure again
+
+
 def calibrated(model: torch.nn.Module, rows: int, tokens: list[int], all_logits: bool, fresh: bool = False,
                measure_fn: Callable[..., TimingTable] = measure) -> tuple[TimingTable, str]:
     """The model's timing table covering up to `rows` rows and the `tokens` grid: from this
     process, from the cache file, or measured now (and cached); `fresh` measures anew whatever is
-    cached. Returns it and where it came from."""
+    cached. Returns it and where it came from.
+
+    A table read from the file is checked once per process against one quick forward of its
+    smallest shape: a table measured while something else loaded the machine would have adaptive
+    speculation decline drafts that pay, for good (a policy that never drafts never observes a
+    drafter step to correct it by)."""
     parts = fingerprint(model) | {"all_logits": all_logits}
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     path = costs_dir() / f"{key}.json"
-    table = None if fresh else _MEMO.get(key)
-    if table is None and not fresh and path.is_file():
-        try:
-            table = TimingTable(**json.loads(path.read_text(encoding="utf-8"))["table"])
-        except (OSError, ValueError, KeyError, TypeError):
-            table = None  # unreadable: measure again
+    memo = None if fresh else _MEMO.get(key)
+    if memo is not None and memo.covers(rows, max(tokens)):
+        return memo, f"cached {path}"
+    why = "measured"
+    table = None if fresh or memo is not None else _cached_table(path)
     if table is not None and table.covers(rows, max(tokens)):
-        _MEMO[key] = table
-        return table, f"cached {path}"
+        was, now = table(1, tokens[0]), measure_fn(model, [1], tokens[:1], all_logits)(1, tokens[0])
+        if was <= STALE_FACTOR * now:
+            _MEMO[key] = table
+            return table, f"cached {path}"
+        why = f"re-measured (the cached table's {was * 1e3:.1f} ms took {now * 1e3:.1f} ms now)"
     table = measure_fn(model, grid(rows), tokens, all_logits)
     _MEMO[key] = table
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"fingerprint": parts, "table": asdict(table)}, indent=1) + "\n", encoding="utf-8")
-        where = f"measured, cached in {path}"
+        return table, f"{why}, cached in {path}"
     except OSError:
-        where = "measured (cache dir not writable)"
-    return table, where
+        return table, f"{why} (cache dir not writable)"
 
 
 def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows: int, max_drafts: int,

@@ -10,6 +10,7 @@ from batchspec import costs as costs_module
 from batchspec.bench.report import render_costs
 from batchspec.costs import (
     SCALE_BOUNDS,
+    STALE_FACTOR,
     MeasuredCosts,
     TimingTable,
     break_even,
@@ -64,16 +65,43 @@ def test_calibration_is_cached_per_model_and_refreshed_when_it_does_not_cover(tm
     assert len(list(tmp_path.glob("*.json"))) == 1
     monkeypatch.setattr(costs_module, "_MEMO", {})  # a new process: the file answers
     again, where = calibrated(llama, 2, [1, 2, 3], True, measure_fn=fake)
-    assert again == table and len(calls) == 1 and "cached" in where
+    assert again == table and "cached" in where
+    assert calls[1:] == [([1], [1])]  # one quick forward checks the file's table
     calibrated(llama, 8, [1, 2, 6], True, measure_fn=fake)  # more rows than measured: measure again
     calibrated(gpt2, 2, [1, 3], True, measure_fn=fake)  # another model: its own entry
     calibrated(llama, 2, [1, 2], False, measure_fn=fake)  # drafter steps are timed apart from verifies
     calibrated(llama, 2, [1, 2, 7], True, measure_fn=fake)  # more tokens than measured: measure again
     calibrated(llama, 2, [1, 3], True, fresh=True, measure_fn=fake)
-    assert [c[0] for c in calls[1:]] == [[1, 2, 4, 8], [1, 2], [1, 2], [1, 2], [1, 2]]
-    assert [c[1] for c in calls[1:]] == [[1, 2, 6], [1, 3], [1, 2], [1, 2, 7], [1, 3]]
+    assert [c[0] for c in calls[2:]] == [[1, 2, 4, 8], [1, 2], [1, 2], [1, 2], [1, 2]]
+    assert [c[1] for c in calls[2:]] == [[1, 2, 6], [1, 3], [1, 2], [1, 2, 7], [1, 3]]
     assert fingerprint(llama) != fingerprint(gpt2)
     assert fingerprint(llama) == fingerprint(tiny_model("llama", vocab_size=50))
+
+
+def test_a_cached_table_measured_on_a_busy_machine_is_measured_anew(tmp_path, monkeypatch):
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    speed = {"ms": 0.3}  # seconds per row-token the fake machine takes now
+    calls: list[list[int]] = []
+
+    def fake(model, rows, tokens, all_logits):
+        calls.append(rows)
+        return TimingTable(rows, tokens, [[speed["ms"] * r * t for t in tokens] for r in rows])
+
+    model = tiny_model("qwen2", vocab_size=50)
+    calibrated(model, 2, [1, 2], True, measure_fn=fake)  # measured while the machine was busy
+    speed["ms"] = 0.3 / (STALE_FACTOR - 0.05)  # quieter, but within the tolerance: kept
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    table, where = calibrated(model, 2, [1, 2], True, measure_fn=fake)
+    assert table(1, 1) == pytest.approx(0.3) and where.startswith("cached")
+    speed["ms"] = 0.1  # three times faster now: the busy table is replaced, in the file too
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    table, where = calibrated(model, 2, [1, 2], True, measure_fn=fake)
+    assert table(1, 1) == pytest.approx(0.1) and where.startswith("re-measured (the cached table's 300.0 ms")
+    assert calls == [[1, 2], [1], [1], [1, 2]]
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    assert calibrated(model, 2, [1, 2], True, measure_fn=fake)[0](1, 1) == pytest.approx(0.1)
+    assert calls[4:] == [[1]]  # read from the file again: the new table, checked, trusted
 
 
 def test_online_refresh_follows_measured_rounds_within_bounds():
