@@ -15,15 +15,15 @@ from batchspec.models import load_pair
 from batchspec.sequence import Sequence
 
 
-def scan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+def scan(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, list[int]]:
     """The definition, by brute force: the longest suffix of length min_n..max_n that occurs earlier
-    (ending before the last token), its first occurrence, and up to k tokens after it."""
+    (ending before the last token), its length, its first occurrence, and up to k tokens after it."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         suffix = tokens[len(tokens) - n :]
         for start in range(len(tokens) - n):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
-    return []
+                return n, tokens[start + n : start + n + k]
+    return 0, []
 
 
 def sequence(tokens: list[int], prompt_len: int) -> Sequence:
@@ -55,20 +55,22 @@ def test_lookup_matches_a_plain_scan_as_tokens_arrive(tokens, prompt_len, sizes,
 
 def test_lookup_prefers_the_longest_suffix_then_the_first_occurrence():
     tokens = [1, 2, 9, 3, 1, 2, 8, 5, 7, 2, 8, 1, 2]
-    assert scan(tokens, 1, 3, 4) == [9, 3, 1, 2]  # "1 2" first occurs at the start
-    assert NgramIndex(1, 3).lookup(sequence(tokens, 5), 4) == [9, 3, 1, 2]
-    assert NgramIndex(1, 3).lookup(sequence(tokens + [8], 5), 4) == [5, 7, 2, 8]  # "1 2 8" beats "2 8"
-    assert NgramIndex(3, 3).lookup(sequence([4, 5, 6, 4, 5], 5), 2) == []  # shorter than min_n: no match
-    assert NgramIndex(1, 1).lookup(sequence([4, 5, 4], 3), 5) == [5, 4]  # as far as the context goes
+    assert scan(tokens, 1, 3, 4) == (2, [9, 3, 1, 2])  # "1 2" first occurs at the start
+    assert NgramIndex(1, 3).lookup(sequence(tokens, 5), 4) == (2, [9, 3, 1, 2])
+    assert NgramIndex(1, 3).lookup(sequence(tokens + [8], 5), 4) == (3, [5, 7, 2, 8])  # "1 2 8" beats "2 8"
+    assert NgramIndex(3, 3).lookup(sequence([4, 5, 6, 4, 5], 5), 2) == (0, [])  # shorter than min_n: no match
+    assert NgramIndex(1, 1).lookup(sequence([4, 5, 4], 3), 5) == (1, [5, 4])  # as far as the context goes
 
 
 def test_drafter_proposes_per_row_and_forgets_finished_rows():
     drafter = NgramDrafter(1, 2)
-    seqs = [sequence([1, 2, 3, 1, 2], 5), sequence([7, 8, 9], 3), sequence([4, 4, 4], 3)]
+    seqs = [sequence([1, 2, 3, 1, 2], 5), sequence([7, 8, 9], 3), sequence([4, 5, 4], 3)]
     draft = drafter.propose(seqs, 3)
     assert draft.width == 3 and draft.logits is None
-    assert draft.row_lengths().tolist() == [3, 0, 1]  # the continuation runs up to the context's end
-    assert draft.tokens[0].tolist() == [3, 1, 2] and draft.tokens[2, 0] == 4
+    assert draft.row_lengths().tolist() == [3, 0, 2]  # the continuation runs up to the context's end
+    assert draft.tokens[0].tolist() == [3, 1, 2] and draft.tokens[2, :2].tolist() == [5, 4]
+    # confidence n / (n + 2) of the matched suffix's length n, the same for every slot of a row
+    assert draft.confidence is not None and draft.confidence.tolist() == [[0.5] * 3, [0.0] * 3, [1 / 3] * 3]
     seqs[1].finish_reason = "stop"
     drafter.propose([seqs[0]], 3)
     assert {id(s) for s, _ in drafter.lookup.indexes.values()} == {id(seqs[0]), id(seqs[2])}

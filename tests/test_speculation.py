@@ -202,6 +202,28 @@ def test_calibration_learns_what_the_target_accepts():
     assert lookup.tolist() == pytest.approx([0.5, 0.5], abs=0.2)  # another cell: n-gram drafts learn apart
 
 
+def test_lookup_drafts_are_verified_by_how_long_a_suffix_matched():
+    """Before anything is learned, a prompt-lookup proposal after a long match is verified and one
+    after a 1-token match is declined where verifying costs; then the table learns the real rates:
+    long matches that the target keeps rejecting are declined too."""
+    from batchspec.drafters.ngram import match_confidence
+
+    policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=1.0, verify_token=1.0, draft_step=0.0))
+    seqs = rows(1)  # a draft pays above 50% acceptance
+
+    def width(matched: int) -> int:
+        steer = policy.plan(seqs).steer
+        draft = Draft(torch.full((1, K), 4), None, confidence=match_confidence(torch.tensor([matched]), K))
+        return policy.settle(RoundPlan(K, steer), draft).width
+
+    widths = [width(n) for n in range(1, 9)]
+    assert widths == sorted(widths) and widths[0] == 0 and widths[-1] >= 2
+    rejected = match_confidence(torch.tensor([8]), K).double()
+    for _ in range(40):
+        policy.model.record(seqs, torch.tensor([K]), torch.tensor([0]), rejected, torch.full((1, K), FORCED))
+    assert width(8) == 0
+
+
 def test_a_row_that_beats_the_table_is_trusted_more():
     model = AcceptanceModel(K)
     seqs = rows(2)

@@ -32,12 +32,17 @@ class Draft:
 
     forced[b, j] marks slots whose token was not drawn from `logits` (an n-gram proposal in a hybrid
     draft): rejection sampling treats their q as a point mass. Without `logits`, every slot is one.
+
+    confidence[b, j] in [0, 1] is how sure a drafter without logits is of a slot (prompt lookup: how
+    long a suffix matched); adaptive speculation calibrates it into an acceptance probability as it
+    does a model drafter's own probabilities.
     """
 
     tokens: torch.Tensor  # [b, k]
     logits: torch.Tensor | None  # [b, k, vocab], the drafter's raw logits (rejection sampling needs q)
     lengths: torch.Tensor | None = None  # [b]; None: every row proposes all k
     forced: torch.Tensor | None = None  # [b, k] bool; None: no slot is forced
+    confidence: torch.Tensor | None = None  # [b, k] float; None: only `logits` say
 
     @property
     def width(self) -> int:
@@ -59,6 +64,7 @@ class Draft:
             None if self.logits is None else self.logits[:, :width],
             None if bool((lengths == width).all()) else lengths,
             None if self.forced is None else self.forced[:, :width],
+            None if self.confidence is None else self.confidence[:, :width],
         )
 
 
