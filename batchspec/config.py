@@ -123,7 +123,7 @@ class SpecConfig:
         "occurrence of the longest context suffix of --ngram-min..--ngram-max tokens (no second model; --draft ngram "
         "selects it too); hybrid: the n-gram continuation where a row's context has one, the draft model elsewhere",
         choices=list(DRAFTERS))
-    ngram_min: int = option(5, "prompt lookup: shortest context suffix to match (vLLM's prompt_lookup_min)", type=int)
+    ngram_min: int = option(2, "prompt lookup: shortest context suffix to match (vLLM's prompt_lookup_min)", type=int)
     ngram_max: int = option(5, "prompt lookup: longest context suffix to match (vLLM's prompt_lookup_max)", type=int)
 
     def __post_init__(self) -> None:
