@@ -4,11 +4,13 @@ vLLM's `ngram` method: per row, find the longest n-gram (min_n <= n <= max_n) en
 that occurred earlier in the prompt or the output, take its first occurrence, and propose the tokens
 that followed it there (as many as the context has, up to k). Rows without a match propose nothing.
 
-A proposal's confidence is the length n of the suffix that matched, as n / (n + 2): on SpecBench
-outputs of the bundled Qwen target the first draft after a 1-token match was accepted 19% of the
-time, after a 2-token match 43%, 3-4 tokens 67%, 7-8 tokens ~80%, so adaptive speculation can
-verify long matches and decline short ones where verifying costs (it learns the real rates per
-confidence bin online; this only sorts proposals into bins that start near them).
+A proposal's confidence is the length n of the suffix that matched, as n / (n + 2): replayed over
+plain outputs of the bundled Qwen target on 36 SpecBench prompts (`scripts/lookup_replay.py`), the
+first draft after a 1-token match was accepted 19% of the time, after a 2-token match 43%, after
+7-8 tokens 80%, so adaptive speculation can verify long matches and decline short ones where
+verifying costs (it learns the real rates per confidence bin online; this only sorts proposals
+into bins that start near them). In a hybrid draft the model drafter's own probability of a
+forced token is its confidence instead, wherever the model ran.
 
 No second model: each sequence keeps an index {n-gram: position after its first occurrence},
 updated with the tokens committed since the last round only, so a lookup costs max_n - min_n + 1
