@@ -356,7 +356,10 @@ class Engine:
             self.layout.load_rows(self.home, rows, lengths)
             if self.drafter is not None:
                 self.drafter.load(rows, seqs)
-        plan = self.speculation.plan(seqs, self.drafter.backlog(seqs)) if self.drafter is not None else RoundPlan(0)
+        if self.drafter is None:
+            plan = RoundPlan(0)
+        else:
+            plan = self.speculation.plan(seqs, self.drafter.backlog(seqs) if self.speculation.weighs_backlog else None)
         pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=device)
         proposal = draft = empty_draft(len(seqs), device)
         if plan.steps > 0:

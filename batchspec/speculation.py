@@ -78,6 +78,8 @@ class RoundPlan:
 class Speculation(ABC):
     """A speculation policy: plans a round, trims what the drafter proposed, learns from the outcome."""
 
+    weighs_backlog = False  # whether `plan` reads the drafter's backlog (the engine asks for it only then)
+
     @abstractmethod
     def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
         """The round for these rows; backlog[b]: tokens the drafter must be fed (catch up on) before
@@ -242,6 +244,8 @@ class RoundSteering:
 
 class AdaptiveSpeculation(Speculation):
     """LibraSpec's marginal rule over the whole round, on measured costs (see the module docstring)."""
+
+    weighs_backlog = True
 
     def __init__(self, k_max: int, costs: Costs) -> None:
         self.k_max = k_max

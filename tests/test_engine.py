@@ -171,6 +171,21 @@ def test_mixed_batch_matches_oracle(arch, method):
     assert 0 < engine.stats.accepted < engine.stats.drafted  # acceptance really was ragged
 
 
+@pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
+def test_the_drafters_backlog_is_asked_only_by_a_policy_that_weighs_it(speculation):
+    """Fixed K ignores what catching rows up would cost, so the engine does not compute it every round."""
+    prompts = random_prompts(3, [4, 9, 6], seed=5)
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2, speculation=speculation)
+    engine = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2"), costs=ScriptedCosts())
+    engine.reserve(rows=2, capacity=64)
+    asked = []
+    backlog = engine.drafter.backlog
+    engine.drafter.backlog = lambda seqs: asked.append(len(seqs)) or backlog(seqs)
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [s.generated for s in outputs] == [oracle("qwen2", tuple(p), 6) for p in prompts]
+    assert (len(asked) == engine.stats.rounds) if speculation == "adaptive" else asked == []
+
+
 @pytest.mark.parametrize("method", ["ragged", "eqspec"])
 def test_stop_token_inside_accepted_drafts(method):
     """An always-right drafter proposes the stop token mid-draft: output ends right at it."""
