@@ -348,13 +348,12 @@ class AdaptiveSpeculation(Speculation):
         width = draft.width
         deterministic = draft.forced if draft.forced is not None else torch.full(
             draft.tokens.shape, draft.logits is None, dtype=torch.bool)
-        for step in range(width):
-            if step >= steer.steps:  # slots no steered step looked at: the drafter's own confidence, if any
-                source = deterministic[:, step].long().cpu()
-                steer.source[:, step] = source
-                if draft.confidence is not None:
-                    steer.confidence[:, step] = draft.confidence[:, step].double().cpu()
-                steer.alpha[:, step] = self.model.calibrate(steer.seqs, step, steer.confidence[:, step], source)
+        if draft.confidence is not None and width > steer.steps:  # slots no steered step looked at
+            steer.confidence[:, steer.steps : width] = draft.confidence[:, steer.steps :].double().cpu()
+        for step in range(steer.steps, width):  # ... calibrated from the drafter's own confidence, if any
+            source = deterministic[:, step].long().cpu()
+            steer.source[:, step] = source
+            steer.alpha[:, step] = self.model.calibrate(steer.seqs, step, steer.confidence[:, step], source)
         steer.caps = torch.minimum(steer.caps, draft.row_lengths().cpu())
         chosen, _ = self.best_width(steer, 0, width, steer.steps)
         if steer.probe and width:

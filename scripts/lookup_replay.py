@@ -35,7 +35,7 @@ def decode(per_category: int, max_new_tokens: int) -> list[dict]:
     llm = LLM(spec=SpecConfig(method="ar", batch_size=1))
     prompts = select(encode_prompts(SPECBENCH_FILE, llm.encode)[0], per_group=per_category)
     outputs = llm.generate([p.token_ids for p in prompts], SamplingParams(max_new_tokens=max_new_tokens))
-    return [{"group": p.group, "prompt": p.token_ids, "output": o.token_ids} for p, o in zip(prompts, outputs)]
+    return [{"group": p.group, "prompt": list(p.token_ids), "output": o.token_ids} for p, o in zip(prompts, outputs)]
 
 
 def replay(record: dict, min_n: int, max_n: int, k: int, by_match: dict) -> tuple[int, int, int, int]:
