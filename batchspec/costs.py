@@ -15,7 +15,6 @@ load on the machine and growing contexts are followed. Tests inject a scripted m
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import platform
@@ -37,7 +36,7 @@ SMOOTHING = 0.1  # weight of each new round in the online rescaling
 TRUSTED_ROUNDS = 8  # observed rounds of a verify shape after which they outweigh the table 4 to 1
 SCALE_BOUNDS = (0.2, 5.0)  # a single odd round (a GC pause, a page fault) may not move the model further
 CONTEXT = 32  # committed tokens per row while measuring: decode-like, and cheap to prefill
-REPEATS = 2  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
+REPEATS = 4  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
 MAX_GRID = 4  # measured points per axis; the rest is interpolated
 # Drafter forwards timed: its steps (1 and 2 tokens) and catch-ups (a deferred prefill of a row's
 # prompt, a shared forward after rounds without drafts), extrapolated linearly beyond the last.
@@ -45,6 +44,9 @@ DRAFT_TOKENS = [1, 2, 16, 128]
 # A cached table whose smallest shape takes this many times what it takes now was measured on a
 # busy machine (a contended 2-core CPU can be several times slower): measured anew, not trusted.
 STALE_FACTOR = 1.3
+# How tables are measured: part of the cache key, so a change to `measure` retires tables measured
+# the old way (version 2: shapes recorded as measured, not made monotone; four timed repeats).
+CALIBRATION_VERSION = 2
 
 
 class Costs(Protocol):
@@ -175,8 +177,12 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
     only).
 
     Shapes are timed in interleaved passes (a warm-up, then REPEATS) and each keeps its fastest, so
-    a burst of load on a shared machine hits every shape alike instead of one; a shape with more rows
-    or tokens is then never rated cheaper than a smaller one (noise can make it look so, work cannot)."""
+    a burst of load on a shared machine hits every shape alike instead of one. A shape with more rows
+    or tokens may well be the cheaper one, and is recorded so: oneDNN's packed float32 product of one
+    or two rows is slower than that of three to six (a Qwen2.5 1.5B step here: ~250 ms for 1 row x 1
+    token or 2 x 1, ~180 ms for 4 x 1 or 1 x 4). Rating such a shape as dear as the smaller one (an
+    earlier version did) made a 4-row plain step look as dear as a 4-row verify of two tokens, and
+    adaptive speculation verify drafts at batch 4 that did not pay."""
     limit = context_limit(model)
     context = CONTEXT if limit is None else min(CONTEXT, limit - max(tokens))
     device = next(model.parameters()).device
@@ -200,11 +206,7 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
                 layout.commit(base)
                 if timed:
                     best[r, n] = min(best[r, n], elapsed)
-    seconds = [list(itertools.accumulate((best[r, n] for n in tokens), max)) for r in rows]
-    for j in range(len(tokens)):
-        for i in range(1, len(rows)):
-            seconds[i][j] = max(seconds[i][j], seconds[i - 1][j])
-    return TimingTable(rows, tokens, seconds)
+    return TimingTable(rows, tokens, [[best[r, n] for n in tokens] for r in rows])
 
 
 def fingerprint(model: torch.nn.Module) -> dict:
@@ -249,7 +251,7 @@ def calibrated(model: torch.nn.Module, rows: int, tokens: list[int], all_logits:
     smallest shape: a table measured while something else loaded the machine would have adaptive
     speculation decline drafts that pay, for good (a policy that never drafts never observes a
     drafter step to correct it by)."""
-    parts = fingerprint(model) | {"all_logits": all_logits}
+    parts = fingerprint(model) | {"all_logits": all_logits, "calibration": CALIBRATION_VERSION}
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     path = costs_dir() / f"{key}.json"
     memo = None if fresh else _MEMO.get(key)

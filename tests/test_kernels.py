@@ -11,6 +11,7 @@ from tinyworld import VOCAB_SIZE, perturbed_copy, random_prompts, save_pair, tin
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
 from batchspec.costs import fingerprint
 from batchspec.kernels import (
+    FEW_ROWS,
     PackedLinear,
     apply_linear_kernel,
     linear_kernel,
@@ -36,6 +37,21 @@ def test_packed_linear_computes_what_nn_linear_does(bias, shape):
     with torch.no_grad():
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     assert (packed.in_features, packed.out_features) == (48, 80)
+
+
+def test_a_float32_product_of_few_rows_is_each_rows_product_in_a_larger_one():
+    """One or two rows are padded to PADDED_ROWS (oneDNN's faster path): each row's output must be
+    bit for bit what it is in any larger product, whatever the other rows hold. (At this size oneDNN's
+    one-row path rounds differently; smaller layers compute alike either way.)"""
+    torch.manual_seed(0)
+    packed = PackedLinear(torch.nn.Linear(1536, 1536))
+    x = torch.randn(6, 1536)
+    with torch.no_grad():
+        together = packed(x)
+        for rows in range(1, FEW_ROWS):
+            assert torch.equal(packed(x[:rows]), together[:rows])
+            assert torch.equal(packed(x[None, :rows]), together[None, :rows])  # [batch, tokens, features]
+        assert torch.equal(packed(torch.cat([x[:1], -x[1:]]))[:1], together[:1])
 
 
 def test_packed_linear_in_bfloat16():
