@@ -13,7 +13,7 @@ from tinyworld import WORDS
 
 from batchspec.bench.exactness import Match, compare
 from batchspec.bench.methods import MethodSpec, parse_batch_sizes, parse_methods
-from batchspec.bench.runner import ALL, run_method
+from batchspec.bench.runner import ALL, MethodResult, RowResult, Timing, fastest_of, run_method
 from batchspec.bench.specbench import MT_BENCH_CATEGORIES, SPECBENCH_FILE, TASK_GROUPS, encode_prompts, select
 from batchspec.cli import main
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
@@ -167,15 +167,16 @@ def test_bench_compares_speculation_policies_and_drafters(tiny_pair_dirs, tmp_pa
     assert main([
         "bench", "--target", str(target), "--draft", str(draft), "--prompts", str(_prompts_file(tmp_path / "p.jsonl")),
         "--methods", methods, "--max-new-tokens", "8", "-k", "3", "--costs", "--ngram-min", "1", "--ngram-max", "2",
-        "--json", str(report_path), "--csv", str(csv_path),
+        "--json", str(report_path), "--csv", str(csv_path), "--repeats", "2",
     ]) == 0
     stdout = capsys.readouterr().out
+    assert "the fastest of 2 runs each" in stdout
     assert "Cost model" in stdout and "Break-even acceptance" in stdout and "Chosen K" in stdout
     assert stdout.index("Cost model") < stdout.index("Speed")  # printed before the runs
     report = json.loads(report_path.read_text())
     by_name = {m["method"]: m for m in report["methods"]}
     assert list(by_name) == ["ar@1", *methods.split(",")]
-    assert "Break-even" in report["costs"]
+    assert "Break-even" in report["costs"] and report["settings"]["repeats"] == 2
     for name in methods.split(","):
         entry = by_name[name]
         assert entry["error"] is None and entry["exact_match"] == 1.0, (name, entry["divergences"])
@@ -219,6 +220,25 @@ def test_fast_but_wrong_labels_never_overlap() -> None:
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
     assert all(frame.contains(b.x0, b.y0) and frame.contains(b.x1, b.y1) for b in boxes)
     plt.close(fig)
+
+
+def test_repeated_runs_report_the_fastest_and_every_divergence() -> None:
+    """Per part, the timing and rows of the fastest run; a row that diverged in any run stays diverged."""
+    spec = MethodSpec("ragged", 2)
+    exact, wrong = Match(True, 1.0, None), Match(False, 0.5, 1)
+
+    def run(walls: dict[str, float], matches: list[Match], tag: int) -> MethodResult:
+        rows = [RowResult([tag, i], 0.1, 0.2) for i in range(3)]
+        return MethodResult(spec, rows, {k: Timing(w, 0.0) for k, w in walls.items()}, matches, [None] * 3)
+
+    parts = {"qa": [0, 1], "math": [2]}
+    first = run({"qa": 2.0, "math": 1.0}, [exact, wrong, exact], tag=1)  # diverged in the slower run
+    second = run({"qa": 1.5, "math": 3.0}, [exact, exact, exact], tag=2)
+    merged = fastest_of([first, second], parts)
+    assert merged.timings["qa"].wall == 1.5 and merged.timings["math"].wall == 1.0
+    assert [r.token_ids[0] for r in merged.rows] == [2, 2, 1]
+    assert merged.matches == [exact, wrong, exact]
+    assert fastest_of([first, MethodResult(spec, error="boom")], parts).error == "boom"
 
 
 def test_compare_with_oracle() -> None:

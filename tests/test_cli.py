@@ -97,6 +97,7 @@ def _word_prompts(tmp_path, count: int = 5):
         ("generate", ["--limit", "0"], "argument --limit: must be >= 1, got 0"),
         ("generate", ["--resume"], "--resume continues an earlier run's --output: give --output"),
         ("bench", ["--temperature=-inf"], "argument --temperature: must be a finite number, got '-inf'"),
+        ("bench", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
         ("audit", ["--limit", "-1"], "argument --limit: must be >= 1, got -1"),
         ("audit", ["--margin", "nan"], "argument --margin: must be a finite number, got 'nan'"),
         ("audit", ["--margin", "-1"], "--margin must be >= 0, got -1.0"),

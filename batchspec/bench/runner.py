@@ -329,3 +329,25 @@ def run_method(
         label = None if match.exact else classify(prompt.token_ids, row.token_ids, reference, prompt.params)
         result.labels.append(label)
     return result
+
+
+def fastest_of(repeats: list[MethodResult], parts: dict[str, list[int]]) -> MethodResult:
+    """One method's repeated runs as one result: per part (all prompts, or a task group), the run
+    with the least wall time, its timing and its rows (latencies belong to the timing they came
+    with). Noise on a shared machine only ever adds time, so the fastest run is the least disturbed
+    one (as `timeit` reports). Exactness is never taken from the fast run alone: a row that diverged
+    in any run is reported as diverging."""
+    failed = next((r for r in repeats if r.error is not None), None)
+    if failed is not None:
+        return failed
+    merged = MethodResult(repeats[0].spec, rows=list(repeats[0].rows), matches=list(repeats[0].matches),
+                          labels=list(repeats[0].labels))
+    for label, indices in parts.items():
+        best = min(repeats, key=lambda r: r.timings[label].wall)
+        merged.timings[label] = best.timings[label]
+        for i in indices:
+            merged.rows[i], merged.matches[i], merged.labels[i] = best.rows[i], best.matches[i], best.labels[i]
+            wrong = next((r for r in repeats if r.matches[i] is not None and not r.matches[i].exact), None)
+            if wrong is not None:
+                merged.matches[i], merged.labels[i] = wrong.matches[i], wrong.labels[i]
+    return merged

@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..bench.exactness import AuditClassifier
-from ..bench.methods import DEFAULT_METHODS, SYNTAX_HELP, parse_batch_sizes, parse_methods, parse_prefill_chunks
+from ..bench.methods import DEFAULT_METHODS, MethodSpec, SYNTAX_HELP, parse_batch_sizes, parse_methods, parse_prefill_chunks
 from ..bench.plots import write_plots
 from ..bench.report import NOISE_NOTE, build_report, machine_info, render_costs, render_tables, write_csv
-from ..bench.runner import ALL, run_method, warm_up
+from ..bench.runner import ALL, MethodResult, fastest_of, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
 from ..config import NGRAM, BatchspecError, SamplingParams, SpecConfig
 from ..costs import measured_costs
@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("methods")
     g.add_argument("--methods", default=DEFAULT_METHODS, help=SYNTAX_HELP)
     g.add_argument("--batch-sizes", default="4", help="comma-separated batch sizes for methods given without @batch")
+    g.add_argument("--repeats", type=int, default=1, help="run every method this many times, in alternating order "
+                   "(forward, backward, ...), and report each method's fastest run per task group: noise on a shared "
+                   "machine only adds time (default 1)")
     g.add_argument("--prefill-chunks", default="0", help="comma-separated max prefill tokens per step for methods on "
                    "the continuous scheduler, each run once per value (0 = whole prompts); e.g. 0,64 compares "
                    "chunked prefill with none in one run")
@@ -102,6 +105,8 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
     specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes), parse_prefill_chunks(args.prefill_chunks))
     if args.temperature > 0 and args.seed is None:
         raise BatchspecError("bench checks every output against plain decoding: with --temperature > 0 give --seed "
@@ -135,7 +140,11 @@ def run(args: argparse.Namespace) -> int:
     oracle = Oracle(models.target, prompts[0].params, stop_ids)
     oracle.precompute([p.token_ids for p in prompts], [p.params for p in prompts], desc="oracle (plain decoding, batch 1)")
     classify = AuditClassifier(models, oracle, [p.token_ids for p in prompts], [p.params for p in prompts])
-    results = [run_method(models, s, prompts, parts, template, stop_ids, oracle, classify) for s in specs]
+    runs: dict[MethodSpec, list[MethodResult]] = {s: [] for s in specs}
+    for repeat in range(args.repeats):  # alternating order: no method always runs when the machine is slowest
+        for s in specs if repeat % 2 == 0 else specs[::-1]:
+            runs[s].append(run_method(models, s, prompts, parts, template, stop_ids, oracle, classify))
+    results = [fastest_of(runs[s], parts) for s in specs]
 
     entries = build_report(results, prompts)
     machine = machine_info(args.dtype, args.draft_dtype, args.device)
@@ -145,9 +154,10 @@ def run(args: argparse.Namespace) -> int:
              f"({machine['cpu']}, {machine['torch_threads']} threads)")
     groups = ", ".join(f"{g} {n}" for g, n in (prompt_info["groups"] or {}).items())
     print(f"batchspec bench: {title}")
+    repeats = f"; the fastest of {args.repeats} runs each, in alternating order" if args.repeats > 1 else ""
     print(f"prompts: {prompt_info['file']}{f' ({groups})' if groups else ''}; "
           f"mean {prompt_info['prompt_tokens']['mean']} tokens; "
-          f"{'one run per task group' if by_group else 'all prompts in one run'}")
+          f"{'one run per task group' if by_group else 'all prompts in one run'}{repeats}")
     print(f"torch {machine['torch']}, transformers {machine['transformers']}\n")
     print(render_tables(entries))
     print(f"\n{NOISE_NOTE}")
@@ -162,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
                 "speculation_default": "fixed (adaptive where a method says +adaptive)",
                 "methods": [s.name for s in specs], "suite": args.suite,
                 "runs": "per task group" if by_group else "all prompts at once",
+                "repeats": args.repeats, "timing": "fastest run per method and part" if args.repeats > 1 else "one run",
                 **{name: getattr(template, name) for name in SHARED_SPEC_FIELDS},
                 "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "hf_assisted": "constant schedule of num_draft_tokens drafts per round, no confidence cut-off",
