@@ -13,7 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..bench.exactness import AuditClassifier
-from ..bench.methods import DEFAULT_METHODS, MethodSpec, SYNTAX_HELP, parse_batch_sizes, parse_methods, parse_prefill_chunks
+from ..bench.methods import (
+    DEFAULT_METHODS,
+    SYNTAX_HELP,
+    MethodSpec,
+    parse_batch_sizes,
+    parse_methods,
+    parse_prefill_chunks,
+)
 from ..bench.plots import write_plots
 from ..bench.report import NOISE_NOTE, build_report, machine_info, render_costs, render_tables, write_csv
 from ..bench.runner import ALL, MethodResult, fastest_of, run_method, warm_up
@@ -172,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
                 "speculation_default": "fixed (adaptive where a method says +adaptive)",
                 "methods": [s.name for s in specs], "suite": args.suite,
                 "runs": "per task group" if by_group else "all prompts at once",
-                "repeats": args.repeats, "timing": "fastest run per method and part" if args.repeats > 1 else "one run",
+                "repeats": args.repeats,
+                "timing": "fastest run per method and part" if args.repeats > 1 else "one run",
                 **{name: getattr(template, name) for name in SHARED_SPEC_FIELDS},
                 "seed": args.seed, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "hf_assisted": "constant schedule of num_draft_tokens drafts per round, no confidence cut-off",
