@@ -179,7 +179,7 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
     Shapes are timed in interleaved passes (a warm-up, then REPEATS) and each keeps its fastest, so
     a burst of load on a shared machine hits every shape alike instead of one. A shape with more rows
     or tokens may well be the cheaper one, and is recorded so: oneDNN's packed float32 product of one
-    or two rows was slower than that of three to six (a Qwen2.5 1.5B step here: ~250 ms for 1 row x 1
+    or two rows was slower than that of three to six (a Qwen2.5 1.5B step here: 230-290 ms for 1 row x 1
     token or 2 x 1, ~180 ms for 4 x 1 or 1 x 4, before `batchspec.kernels` padded small products).
     Rating such a shape as dear as the smaller one (an earlier version did) made a 4-row plain step
     look as dear as a 4-row verify of two tokens, and adaptive speculation verified drafts at batch 4

@@ -69,8 +69,7 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         if self.weight_dtype != torch.float32 or rows >= FEW_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        flat = x.reshape(rows, self.in_features)
-        padded = torch.cat([flat, flat.new_zeros(PADDED_ROWS - rows, self.in_features)])
+        padded = torch.nn.functional.pad(x.reshape(rows, self.in_features), (0, 0, 0, PADDED_ROWS - rows))
         out = torch.ops.mkldnn._linear_pointwise(padded, self.packed_weight, self.bias, "none", [], "")
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 

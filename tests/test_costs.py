@@ -8,7 +8,6 @@ from tinyworld import ScriptedCosts, tiny_model, tiny_stateful_model
 
 from batchspec import costs as costs_module
 from batchspec.bench.report import render_costs
-from batchspec.layouts.ragged import RaggedLayout
 from batchspec.costs import (
     SCALE_BOUNDS,
     STALE_FACTOR,
@@ -20,6 +19,7 @@ from batchspec.costs import (
     grid,
     measure,
 )
+from batchspec.layouts.ragged import RaggedLayout
 
 
 def test_timing_table_interpolates_and_extends_linearly():
