@@ -239,6 +239,15 @@ def test_repeated_runs_report_the_fastest_and_every_divergence() -> None:
     assert [r.token_ids[0] for r in merged.rows] == [2, 2, 1]
     assert merged.matches == [exact, wrong, exact]
     assert fastest_of([first, MethodResult(spec, error="boom")], parts).error == "boom"
+    # runs of one part each (the bench runs task group by task group): each part from its own runs
+    only_qa = MethodResult(spec, [RowResult([3, 0], 0.1, 0.2), RowResult([3, 1], 0.1, 0.2), None],
+                           {"qa": Timing(1.0, 0.0)}, [exact, exact, None], [None] * 3)
+    only_math = MethodResult(spec, [None, None, RowResult([4, 2], 0.1, 0.2)], {"math": Timing(2.0, 0.0)},
+                             [None, None, wrong], [None] * 3)
+    merged = fastest_of([first, only_qa, only_math], parts)
+    assert merged.timings["qa"].wall == 1.0 and merged.timings["math"].wall == 1.0
+    assert [r.token_ids[0] for r in merged.rows] == [3, 3, 1]
+    assert merged.matches == [exact, wrong, wrong]  # row 2 diverged in its other run
 
 
 def test_compare_with_oracle() -> None:

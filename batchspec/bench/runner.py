@@ -87,11 +87,11 @@ class Timing:
 
 @dataclass
 class MethodResult:
-    """A method over all bench prompts: rows in prompt order, a timing per run (`all`, or one per
-    task group), and each row's comparison with the oracle."""
+    """A method over the bench prompts of some parts (all prompts, or task groups): rows in prompt
+    order (None outside those parts), a timing per part, and each row's comparison with the oracle."""
 
     spec: MethodSpec
-    rows: list[RowResult] = field(default_factory=list)
+    rows: list[RowResult | None] = field(default_factory=list)
     timings: dict[str, Timing] = field(default_factory=dict)
     matches: list[Match | None] = field(default_factory=list)
     labels: list[str | None] = field(default_factory=list)
@@ -299,8 +299,8 @@ def run_method(
     classify: Classifier,
 ) -> MethodResult:
     """Run `spec` over each part (all prompts, or one task group at a time) and compare every
-    row with the oracle. Any failure becomes the method's error row: one method that cannot run
-    (e.g. one still being built) must not cost the figures of the others."""
+    row of those parts with the oracle. Any failure becomes the method's error row: one method that
+    cannot run (e.g. one still being built) must not cost the figures of the others."""
     result = MethodResult(spec)
     rows: dict[int, RowResult] = {}
     try:
@@ -317,9 +317,9 @@ def run_method(
         result.error = f"{type(err).__name__}: {err}".splitlines()[0]
         result.timings.clear()
         return result
-    result.rows = [rows[i] for i in range(len(prompts))]
+    result.rows = [rows.get(i) for i in range(len(prompts))]
     for prompt, row in zip(prompts, result.rows):
-        if row.error is not None:
+        if row is None or row.error is not None:
             result.matches.append(None)
             result.labels.append(None)
             continue
@@ -332,18 +332,18 @@ def run_method(
 
 
 def fastest_of(repeats: list[MethodResult], parts: dict[str, list[int]]) -> MethodResult:
-    """One method's repeated runs as one result: per part (all prompts, or a task group), the run
-    with the least wall time, its timing and its rows (latencies belong to the timing they came
-    with). Noise on a shared machine only ever adds time, so the fastest run is the least disturbed
-    one (as `timeit` reports). Exactness is never taken from the fast run alone: a row that diverged
-    in any run is reported as diverging."""
+    """One method's runs as one result: per part (all prompts, or a task group), the run of that
+    part with the least wall time, its timing and its rows (latencies belong to the timing they
+    came with). Each run may cover some parts only. Noise on a shared machine only ever adds time,
+    so the fastest run is the least disturbed one (as `timeit` reports). Exactness is never taken
+    from the fast run alone: a row that diverged in any run is reported as diverging."""
     failed = next((r for r in repeats if r.error is not None), None)
     if failed is not None:
         return failed
-    merged = MethodResult(repeats[0].spec, rows=list(repeats[0].rows), matches=list(repeats[0].matches),
-                          labels=list(repeats[0].labels))
+    size = len(repeats[0].rows)
+    merged = MethodResult(repeats[0].spec, rows=[None] * size, matches=[None] * size, labels=[None] * size)
     for label, indices in parts.items():
-        best = min(repeats, key=lambda r: r.timings[label].wall)
+        best = min((r for r in repeats if label in r.timings), key=lambda r: r.timings[label].wall)
         merged.timings[label] = best.timings[label]
         for i in indices:
             merged.rows[i], merged.matches[i], merged.labels[i] = best.rows[i], best.matches[i], best.labels[i]

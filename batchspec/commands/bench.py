@@ -59,9 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("methods")
     g.add_argument("--methods", default=DEFAULT_METHODS, help=SYNTAX_HELP)
     g.add_argument("--batch-sizes", default="4", help="comma-separated batch sizes for methods given without @batch")
-    g.add_argument("--repeats", type=int, default=1, help="run every method this many times, in alternating order "
-                   "(forward, backward, ...), and report each method's fastest run per task group: noise on a shared "
-                   "machine only adds time (default 1)")
+    g.add_argument("--repeats", type=int, default=1, help="run every method this many times, task group by task group "
+                   "with every method in turn, in alternating order (forward, backward, ...), and report each "
+                   "method's fastest run per task group: noise on a shared machine only adds time (default 1)")
     g.add_argument("--prefill-chunks", default="0", help="comma-separated max prefill tokens per step for methods on "
                    "the continuous scheduler, each run once per value (0 = whole prompts); e.g. 0,64 compares "
                    "chunked prefill with none in one run")
@@ -148,9 +148,13 @@ def run(args: argparse.Namespace) -> int:
     oracle.precompute([p.token_ids for p in prompts], [p.params for p in prompts], desc="oracle (plain decoding, batch 1)")
     classify = AuditClassifier(models, oracle, [p.token_ids for p in prompts], [p.params for p in prompts])
     runs: dict[MethodSpec, list[MethodResult]] = {s: [] for s in specs}
-    for repeat in range(args.repeats):  # alternating order: no method always runs when the machine is slowest
-        for s in specs if repeat % 2 == 0 else specs[::-1]:
-            runs[s].append(run_method(models, s, prompts, parts, template, stop_ids, oracle, classify))
+    # Part by part (a task group, or all prompts), every method in turn, in alternating order: the
+    # machine's speed drifts over minutes, so the runs compared with each other are run close together
+    # and no method always runs when the machine is slowest.
+    for repeat in range(args.repeats):
+        for label, indices in parts.items():
+            for s in specs if repeat % 2 == 0 else specs[::-1]:
+                runs[s].append(run_method(models, s, prompts, {label: indices}, template, stop_ids, oracle, classify))
     results = [fastest_of(runs[s], parts) for s in specs]
 
     entries = build_report(results, prompts)
