@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +109,7 @@ class Replay:
     def _round(self, running: list[tuple[Sequence, Record]], have: list[int]) -> None:
         seqs = [s for s, _ in running]
         rows = len(seqs)
-        valid = [min(h, s.length - 1, s.length - 2) for h, s in zip(have, seqs)]
+        valid = [min(h, s.length - 2) for h, s in zip(have, seqs)]  # what ModelDrafter._span counts as held
         lags = [s.length - 2 - v for s, v in zip(seqs, valid)]
         plan = self.policy.plan(seqs, lags if self.policy.weighs_backlog else None)
         steer = plan.steer
@@ -120,11 +119,9 @@ class Replay:
             long = [n for n, j in zip(lags, joined) if j and n > SHARED_CATCH_UP]
             short = [n for n, j in zip(lags, joined) if j and 0 < n <= SHARED_CATCH_UP]
             catch_up = sum(self.truth.draft_time(1, n) for n in long) + (self.truth.draft_time(rows, max(short)) if short else 0.0)
-            confidence: list[list[float]] = []
             for step in range(plan.steps):
                 draft_s += self.truth.draft_time(rows, 2 if step == 0 else 1)
                 p = [rec.draft_p[min(s.length - len(rec.prompt) + step, len(rec.output) - 1)] for s, rec in running]
-                confidence.append(p)
                 steps = step + 1
                 if steer is not None:
                     chance = torch.tensor(p).clamp(1e-6, 1 - 1e-6)
@@ -217,7 +214,7 @@ def main() -> None:
                 base.setdefault("all*", tokens / seconds)
                 cells.append(f"{tokens / seconds:6.2f} {tokens / seconds / base['all*']:5.2f}x")
             zero = sum(c == 0 for c in chosen) / max(len(chosen), 1)
-            print("  ".join(f"{c:>14}" for c in [name, *cells, f"{zero:.0%}" if not math.isnan(zero) else "-"]))
+            print("  ".join(f"{c:>14}" for c in [name, *cells, f"{zero:.0%}"]))
 
 
 if __name__ == "__main__":
