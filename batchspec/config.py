@@ -89,8 +89,8 @@ class SpecConfig:
     (with adaptive speculation, how many drafts a round verifies depends on measured times, so an
     unseeded run repeats only under the same decisions).
     speculation: `fixed` verifies num_draft_tokens drafts every round; `adaptive` (batchspec.speculation)
-    at most that many, as many as pay for themselves. It stays `fixed` by default until benchmarks on
-    a quiet machine show adaptive at least as fast everywhere.
+    at most that many, as many as pay for themselves on measured costs. None: the method's default
+    (`adaptive` for ragged, `fixed` for the paper's eqspec and exspec, as the paper runs them).
     drafter: `model` (the draft model), `ngram` (prompt lookup, no second model) or `hybrid`.
     """
 
@@ -114,10 +114,12 @@ class SpecConfig:
         "long prompt does not stall the rows already decoding (default: whole prompts)", type=int)
     generator_seed: int | None = option(None, "seed of the engine's generator, which only unseeded sampled requests "
                                         "draw from: makes such runs repeatable", type=int)
-    speculation: str = option(
-        "fixed", "fixed: verify --num-draft-tokens drafts every round; adaptive: at most that many per row, only as "
+    speculation: str | None = option(
+        None, "fixed: verify --num-draft-tokens drafts every round; adaptive: at most that many per row, only as "
         "many as are expected to pay for their drafting and verification on this machine's measured costs (down to "
-        "none: a plain decoding step)", choices=list(SPECULATION))
+        "none: a plain decoding step) (default: the method's own: " + ", ".join(
+            f"{n} {m.default_speculation}" for n, m in METHODS.items() if m.speculative and not m.deliberately_wrong)
+        + ")", choices=list(SPECULATION))
     drafter: str = option(
         "model", "model: the --draft model proposes; ngram: prompt lookup, the tokens that followed the first earlier "
         "occurrence of the longest context suffix of --ngram-min..--ngram-max tokens (no second model; --draft ngram "
@@ -159,6 +161,8 @@ class SpecConfig:
             raise BatchspecError(f"max_kv_slots must be >= 1, got {self.max_kv_slots}")
         if self.scheduler == "pool" and self.window_size is not None and self.window_size < self.batch_size:
             raise BatchspecError(f"window_size ({self.window_size}) must be >= batch_size ({self.batch_size})")
+        if self.speculation is None:
+            object.__setattr__(self, "speculation", method.default_speculation)
         if self.speculation not in SPECULATION:
             raise BatchspecError(f"unknown speculation {self.speculation!r}; choose one of {', '.join(SPECULATION)}")
         if self.drafter not in DRAFTERS:

@@ -40,8 +40,9 @@ def _resolve(path: str) -> Any:
 
 @dataclass(frozen=True)
 class Method:
-    """One decoding method: the layout its rows live in, the engine that runs its rounds, and the
-    schedulers it supports (the first is its default, everywhere)."""
+    """One decoding method: the layout its rows live in, the engine that runs its rounds, the
+    schedulers it supports (the first is its default, everywhere) and its default speculation policy
+    (`batchspec.speculation`: the paper's methods verify a fixed K, as the paper does)."""
 
     name: str
     summary: str
@@ -53,6 +54,7 @@ class Method:
     # Layout ("module:Class") for models with recurrent state; None: the method cannot run them.
     stateful_layout: str | None = None
     needs_state: bool = False  # only meaningful on a target with recurrent state
+    default_speculation: str = "fixed"
 
     @property
     def default_scheduler(self) -> str:
@@ -72,7 +74,7 @@ METHODS: dict[str, Method] = {
                speculative=False, schedulers=("static", "continuous"), stateful_layout=_STATEFUL),
         Method("eqspec", "left-padded rectangle realigned after every round (the paper's EQSPEC)", _PADDED),
         Method("ragged", "per-row KV cursors: commit moves a cursor, nothing is ever realigned", _RAGGED,
-               schedulers=("continuous", "static"), stateful_layout=_STATEFUL),
+               schedulers=("continuous", "static"), stateful_layout=_STATEFUL, default_speculation="adaptive"),
         Method("exspec", "sequence pool; each round runs a same-length group when one exists (the paper's EXSPEC)",
                _PADDED, schedulers=("pool",)),
         Method("naive-kv", "DELIBERATELY WRONG: rejected drafts' K/V stay in the cache",

@@ -20,7 +20,7 @@ from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecCo
 from batchspec.models import load_pair
 
 METHODS = [
-    "ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+chunk3@2", "ragged+static@2", "exspec@2", "hf@2",
+    "ar@1", "ar@2", "eqspec@2", "ragged+fixed@2", "ragged+chunk3+fixed@2", "ragged+static+fixed@2", "exspec@2", "hf@2",
     "hf-assisted@1", "naive-kv@2",
 ]
 
@@ -70,7 +70,7 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
     pooled = by_name["exspec@2"]
     assert pooled["grouped_rounds"] + pooled["fallback_rounds"] > 0 and 0 <= pooled["grouping_rate"] <= 1
     assert "EXSPEC grouping" in stdout
-    for name in ("ar@1", "ar@2", "eqspec@2", "ragged@2", "ragged+chunk3@2", "ragged+static@2", "exspec@2"):
+    for name in ("ar@1", "ar@2", "eqspec@2", "ragged+fixed@2", "ragged+chunk3+fixed@2", "ragged+static+fixed@2", "exspec@2"):
         assert by_name[name]["exact_match"] == 1.0, (name, by_name[name]["divergences"])
         assert by_name[name]["divergent"] == by_name[name]["sync_errors"] == 0
     # the deliberately wrong method: fast maybe, but the audit calls its divergences what they are
@@ -78,7 +78,7 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
     assert wrong["exact_match"] < 1 and wrong["sync_errors"] == wrong["divergent"] > 0 and wrong["fp_ties"] == 0
     assert {d["label"] for d in wrong["divergences"]} == {"sync-error"}
     assert report["auditor"]["name"] == "batchspec.forensics.audit" and report["auditor"]["calibration"]["margin"] >= 0
-    for name in ("eqspec@2", "ragged@2", "hf-assisted@1"):
+    for name in ("eqspec@2", "ragged+fixed@2", "hf-assisted@1"):
         assert 0 < by_name[name]["acceptance_rate"] <= 1
         assert by_name[name]["mean_accepted_length"] >= 1
     assert by_name["ar@1"]["speedup"] == 1.0
@@ -135,12 +135,12 @@ def test_parse_methods() -> None:
 
 
 def test_parse_method_options() -> None:
-    specs = parse_methods("ragged+k3@1,ragged+adaptive@4,ragged+ngram@1,ragged+ngram+adaptive@1,"
-                          "ragged+adaptive+hybrid+static+k2@8,ragged+chunk16@2,ragged+fixed+model@1", [4], [None, 8])
+    specs = parse_methods("ragged+k3+fixed@1,ragged+adaptive@4,ragged+ngram+fixed@1,ragged+ngram+adaptive@1,"
+                          "ragged+adaptive+hybrid+static+k2@8,ragged+chunk16+fixed@2,ragged+fixed+model@1", [4], [None, 8])
     assert [s.name for s in specs] == [
-        "ar@1", "ragged+k3@1", "ragged+chunk8+k3@1", "ragged+adaptive@4", "ragged+chunk8+adaptive@4", "ragged+ngram@1",
-        "ragged+chunk8+ngram@1", "ragged+ngram+adaptive@1", "ragged+chunk8+ngram+adaptive@1",
-        "ragged+static+k2+hybrid+adaptive@8", "ragged+chunk16@2", "ragged@1", "ragged+chunk8@1",
+        "ar@1", "ragged+k3+fixed@1", "ragged+chunk8+k3+fixed@1", "ragged@4", "ragged+chunk8@4",
+        "ragged+ngram+fixed@1", "ragged+chunk8+ngram+fixed@1", "ragged+ngram@1", "ragged+chunk8+ngram@1",
+        "ragged+static+k2+hybrid@8", "ragged+chunk16+fixed@2", "ragged+fixed@1", "ragged+chunk8+fixed@1",
     ]
     assert specs[9] == MethodSpec("ragged", 8, "static", None, 2, "adaptive", "hybrid")
     assert not specs[5].needs_draft_model and specs[9].needs_draft_model
@@ -157,7 +157,7 @@ def test_bench_compares_speculation_policies_and_drafters(tiny_pair_dirs, tmp_pa
     with the cost model printed and a chosen-K histogram per task group."""
     target, draft = tiny_pair_dirs
     report_path, csv_path = tmp_path / "report.json", tmp_path / "report.csv"
-    methods = "ragged+k1@2,ragged+adaptive@2,ragged+ngram@2,ragged+ngram+adaptive@1,ragged+hybrid+adaptive@1"
+    methods = "ragged+k1+fixed@2,ragged@2,ragged+ngram+fixed@2,ragged+ngram@1,ragged+hybrid@1"
     assert main([
         "bench", "--target", str(target), "--draft", str(draft), "--prompts", str(_prompts_file(tmp_path / "p.jsonl")),
         "--suite", "specbench", "--methods", methods, "--max-new-tokens", "8", "-k", "3", "--costs",
@@ -183,8 +183,9 @@ def test_bench_compares_speculation_policies_and_drafters(tiny_pair_dirs, tmp_pa
         assert sum(entry["chosen_k"].values()) > 0 and max(int(k) for k in entry["chosen_k"]) <= 3
         assert set(entry["groups"]) == {"mt_bench", "qa", "translation"}
         assert all("chosen_k" in fig for fig in entry["groups"].values())
-    assert by_name["ragged+k1@2"]["chosen_k"].keys() <= {"0", "1"}
-    assert by_name["ragged+adaptive@2"]["speculation"] == "adaptive" and by_name["ragged+ngram@2"]["drafter"] == "ngram"
+    assert by_name["ragged+k1+fixed@2"]["chosen_k"].keys() <= {"0", "1"}
+    assert by_name["ragged@2"]["speculation"] == "adaptive" and by_name["ragged+k1+fixed@2"]["speculation"] == "fixed"
+    assert by_name["ragged+ngram+fixed@2"]["drafter"] == "ngram"
     rows = list(csv.DictReader(csv_path.open()))
     assert all(r["chosen_k"] for r in rows if r["method"] != "ar@1")
 

@@ -35,6 +35,8 @@ def test_generate_writes_every_prompt_and_verifies(tmp_path, tiny_pair_dirs, cap
     summary = json.loads(capsys.readouterr().out)
     assert summary["exact_match"] == "3/3"
     assert summary["errors"] == 3 and summary["prompts"] == 6
+    policy = {"ragged": "adaptive", "eqspec": "fixed", "exspec": "fixed"}[method]  # each method's default
+    assert summary["speculation"] == {"policy": policy, "max_drafts": 5, "drafter": "model"}
 
 
 @pytest.mark.parametrize(

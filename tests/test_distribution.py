@@ -192,7 +192,8 @@ def engine_samples(method: str, seed: int, repeat: int = 1, **spec_fields) -> li
     matches); `spec_fields` choose speculation and drafter, adaptive speculation on scripted costs
     that make its widths vary between 0 and K."""
     target, draft, prompt = engine_world()
-    spec = SpecConfig(method=method, num_draft_tokens=2, batch_size=128, generator_seed=seed, **spec_fields)
+    spec = SpecConfig(method=method, num_draft_tokens=2, batch_size=128, generator_seed=seed,
+                      **{"speculation": "fixed", **spec_fields})
     engine = build_engine(target, spec, draft_model=draft if spec.speculative else None,
                           costs=ScriptedCosts(1.0, 0.0012, 0.02))
     return [s.generated for s in engine.generate([prompt * repeat] * ENGINE_SAMPLES, ENGINE_PARAMS)]

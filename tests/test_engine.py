@@ -91,7 +91,7 @@ def test_model_drafter_matches_oracle(arch, method, continuous, batch_size, extr
     if use_stop:  # a token the target really emits mid-continuation, so rows stop at different rounds
         stop = (oracle(arch, tuple(prompts[0]), budgets[0])[budgets[0] // 2],)
     scheduler = ("continuous" if continuous else "static") if method in ("ragged", "ar") else None
-    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
                       window_size=batch_size + extra_window, sort_by_length=continuous,
                       max_prefill_tokens=chunk if scheduler == "continuous" else None)
     engine = build_engine(target(arch), spec, stop, draft_model=drafter(arch))
@@ -124,7 +124,7 @@ def test_near_context_limit_matches_oracle_with_invariants(arch, method, continu
     budgets = [budget for _, budget, _ in rows]
     prompts = random_prompts(len(lengths), lengths, seed)
     scheduler = ("continuous" if continuous else "static") if method in ("ragged", "ar") else None
-    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=k, batch_size=batch_size, scheduler=scheduler,
                       check_invariants=True, max_prefill_tokens=37 if scheduler == "continuous" else None)
     engine = build_engine(target(arch), spec, draft_model=drafter(arch))
     outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
@@ -147,7 +147,7 @@ def test_rigged_acceptance_matches_oracle(arch, method, batch_size, k, lengths, 
     prompts = random_prompts(len(lengths), lengths, seed)
     truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
     rigged = ScriptedDrafter(truth, p_right, VOCAB_SIZE, seed=seed)
-    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=k, batch_size=batch_size, check_invariants=True)
     engine = build_engine(target(arch), spec, drafter=rigged)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert_matches_oracle(arch, prompts, outputs, max_new)
@@ -164,7 +164,7 @@ def test_mixed_batch_matches_oracle(arch, method):
     (including 1), partial acceptance, rows finishing at different rounds."""
     prompts = random_prompts(7, [1, 9, 5, 14, 2, 6, 11], seed=11)
     params = [SamplingParams(max_new_tokens=n) for n in (20, 7, 20, 13, 20, 3, 17)]
-    engine = build_engine(target(arch), SpecConfig(method=method, num_draft_tokens=4, batch_size=4), draft_model=drafter(arch))
+    engine = build_engine(target(arch), SpecConfig(speculation="fixed", method=method, num_draft_tokens=4, batch_size=4), draft_model=drafter(arch))
     outputs = engine.generate(prompts, params)
     for p, sp, seq in zip(prompts, params, outputs):
         assert seq.generated == oracle(arch, tuple(p), sp.max_new_tokens)
@@ -194,7 +194,7 @@ def test_stop_token_inside_accepted_drafts(method):
     plain = oracle(arch, tuple(prompts[0]), max_new)
     stop = (plain[5],)
     truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
-    engine = build_engine(target(arch), SpecConfig(method=method, num_draft_tokens=6, batch_size=4), stop,
+    engine = build_engine(target(arch), SpecConfig(speculation="fixed", method=method, num_draft_tokens=6, batch_size=4), stop,
                     drafter=ScriptedDrafter(truth, 1.0, VOCAB_SIZE))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert_matches_oracle(arch, prompts, outputs, max_new, stop)
@@ -207,7 +207,7 @@ def test_stop_token_inside_accepted_drafts(method):
 @pytest.mark.parametrize("method", ["ragged", "eqspec", "exspec"])
 def test_invariant_checks_pass_on_real_runs(method):
     prompts = random_prompts(5, [1, 4, 17, 8, 2], seed=3)
-    spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=3, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=4, batch_size=3, check_invariants=True)
     outputs = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=12))
     assert_matches_oracle("qwen2", prompts, outputs, 12)
 
@@ -218,7 +218,7 @@ def test_one_token_prompts_match_oracle(arch, method):
     """A 1-token prompt plus its first token is a row the drafter keeps no K/V of (it keeps all but
     the last two tokens): a lone one-word prompt, and a batch made only of such rows (issue 8)."""
     for prompts in ([[5]], random_prompts(4, [1], seed=6)):
-        spec = SpecConfig(method=method, num_draft_tokens=3, batch_size=4, check_invariants=True)
+        spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=3, batch_size=4, check_invariants=True)
         engine = build_engine(target(arch), spec, draft_model=drafter(arch))
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8))
         assert_matches_oracle(arch, prompts, outputs, 8)
@@ -229,7 +229,7 @@ def test_row_finishing_at_its_first_token_leaves_one_token_rows(method):
     """The 5-token row finishes at prefill: the 1-token row left alone must shrink the drafter's
     rectangle to zero kept slots (issue 8)."""
     prompts, budgets = [[5], [7, 8, 9, 10, 11]], [8, 1]
-    spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=4, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=4, batch_size=4, check_invariants=True)
     engine = build_engine(target("llama"), spec, draft_model=drafter("llama"))
     outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
     assert_matches_oracle("llama", prompts, outputs, budgets)
@@ -249,7 +249,7 @@ def test_invariant_checks_hold_where_drafts_run_past_the_context(method, monkeyp
 
     monkeypatch.setattr(Layout, "_run", spy)
     prompts, budgets = random_prompts(2, [500, 3], seed=4), [12, 40]
-    spec = SpecConfig(method=method, num_draft_tokens=6, batch_size=2, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=6, batch_size=2, check_invariants=True)
     engine = build_engine(target("gpt2"), spec, draft_model=drafter("gpt2"))
     outputs = engine.generate(prompts, [SamplingParams(max_new_tokens=b) for b in budgets])
     assert_matches_oracle("gpt2", prompts, outputs, budgets)
@@ -268,7 +268,7 @@ def test_invariant_checker_catches_shared_positions():
 def test_invariant_checker_catches_kept_rejected_drafts(monkeypatch):
     """A ragged layout that forgets to roll back rejected drafts is caught, with row and round."""
     monkeypatch.setattr(RaggedLayout, "commit", lambda self, lengths: None)
-    spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=2, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=4, batch_size=2, check_invariants=True)
     engine = build_engine(target("llama"), spec, draft_model=drafter("llama"))
     with pytest.raises(InvariantError, match=r"target: row \d+, round 1: committed length"):
         engine.generate(random_prompts(2, [5, 7], seed=1), SamplingParams(max_new_tokens=10))
@@ -300,7 +300,7 @@ def test_finished_rows_stop_costing_compute(monkeypatch):
     monkeypatch.setattr(RaggedLayout, "forward", spy)
     prompts = random_prompts(3, [4, 6, 5], seed=9)
     params = [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=3)]
-    build_engine(target("llama"), SpecConfig(num_draft_tokens=2, batch_size=3), draft_model=drafter("llama")).generate(prompts, params)
+    build_engine(target("llama"), SpecConfig(speculation="fixed", num_draft_tokens=2, batch_size=3), draft_model=drafter("llama")).generate(prompts, params)
     assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 1
 
 
@@ -308,7 +308,7 @@ def test_continuous_batching_answers_a_long_queue_in_order():
     """Many more prompts than slots, slots reused many times; each output belongs to its prompt."""
     prompts = random_prompts(23, [2, 9, 4, 15, 1, 7], seed=21)
     params = [SamplingParams(max_new_tokens=3 + (i * 7) % 13) for i in range(len(prompts))]
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, scheduler="continuous", check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, scheduler="continuous", check_invariants=True)
     outputs = build_engine(target("gpt2"), spec, draft_model=drafter("gpt2")).generate(prompts, params)
     assert [s.index for s in outputs] == list(range(len(prompts)))
     for p, sp, seq in zip(prompts, params, outputs):
@@ -317,7 +317,7 @@ def test_continuous_batching_answers_a_long_queue_in_order():
 
 
 def test_engine_rejects_empty_and_overlong_prompts():
-    engine = build_engine(target("gpt2"), SpecConfig(num_draft_tokens=2), draft_model=drafter("gpt2"))
+    engine = build_engine(target("gpt2"), SpecConfig(speculation="fixed", num_draft_tokens=2), draft_model=drafter("gpt2"))
     with pytest.raises(BatchspecError, match="empty prompt"):
         engine.generate([[]], SamplingParams(max_new_tokens=4))
     with pytest.raises(BatchspecError, match="exceeds the model's context of 512"):
@@ -327,7 +327,7 @@ def test_engine_rejects_empty_and_overlong_prompts():
 def test_near_context_end_drafts_do_not_overflow_absolute_positions():
     """GPT-2 has 512 learned positions: drafts past max_new_tokens must not index beyond them."""
     prompt = random_prompts(1, [500], seed=4)[0]
-    engine = build_engine(target("gpt2"), SpecConfig(num_draft_tokens=6, batch_size=1), draft_model=drafter("gpt2"))
+    engine = build_engine(target("gpt2"), SpecConfig(speculation="fixed", num_draft_tokens=6, batch_size=1), draft_model=drafter("gpt2"))
     out = engine.generate([prompt], SamplingParams(max_new_tokens=12))
     assert out[0].generated == oracle("gpt2", tuple(prompt), 12)
 
@@ -344,13 +344,13 @@ def test_kv_budget_bounds_rows_in_flight(monkeypatch):
     monkeypatch.setattr(RaggedLayout, "forward", spy)
     prompts = random_prompts(7, [3, 8, 5], seed=13)
     capacity = 8 + 10 + 3 + 1  # longest prompt + max_new_tokens + K + 1
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=4, scheduler="continuous", max_kv_slots=2 * capacity)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=4, scheduler="continuous", max_kv_slots=2 * capacity)
     outputs = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=10))
     assert max(rows_per_forward) == 2
     for p, seq in zip(prompts, outputs):
         assert seq.generated == oracle("qwen2", tuple(p), 10)
     with pytest.raises(BatchspecError, match="needs 22 K/V slots, more than max_kv_slots 21"):
-        tight = SpecConfig(method="ragged", num_draft_tokens=3, max_kv_slots=capacity - 1)
+        tight = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, max_kv_slots=capacity - 1)
         build_engine(target("qwen2"), tight, draft_model=drafter("qwen2")).generate(prompts, SamplingParams(max_new_tokens=10))
 
 
@@ -366,7 +366,7 @@ def run_to_end(engine) -> dict[int, list[int]]:
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_requests_added_between_steps_decode_exactly(chunk):
     arch = "qwen2"
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, max_prefill_tokens=chunk)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, max_prefill_tokens=chunk)
     engine = build_engine(target(arch), spec, draft_model=drafter(arch))
     engine.reserve(rows=3, capacity=64)
     prompts = random_prompts(7, [3, 11, 1, 17, 6], seed=31)
@@ -386,7 +386,7 @@ def test_abort_at_every_stage_frees_the_row_and_leaks_nothing():
     """Abort a queued request, one being prefilled in chunks, and one decoding; the rows they held
     serve later requests, whose outputs stay exact (no K/V of the previous occupant leaks)."""
     arch = "llama"
-    spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=2, max_prefill_tokens=4, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=4, batch_size=2, max_prefill_tokens=4, check_invariants=True)
     engine = build_engine(target(arch), spec, draft_model=drafter(arch))
     engine.reserve(rows=2, capacity=64)
     prompts = random_prompts(6, [5, 13, 7, 3, 9, 2], seed=32)
@@ -413,7 +413,7 @@ def test_chunked_prefill_interleaves_a_long_prompt_with_decode_rounds():
     """A long prompt admitted while rows decode is prefilled max_prefill_tokens at a time; every step
     in between still runs a round for the rows in flight, and nobody's output changes."""
     arch = "gpt2"
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, max_prefill_tokens=8)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, max_prefill_tokens=8)
     engine = build_engine(target(arch), spec, draft_model=drafter(arch))
     short, long = random_prompts(2, [4, 60], seed=33)
     engine.add_request(short, SamplingParams(max_new_tokens=40))
@@ -435,7 +435,7 @@ def test_chunked_prefill_interleaves_a_long_prompt_with_decode_rounds():
 
 
 def test_reserved_capacity_refuses_what_cannot_fit_and_duplicate_ids():
-    engine = build_engine(target("llama"), SpecConfig(num_draft_tokens=2, batch_size=2), draft_model=drafter("llama"))
+    engine = build_engine(target("llama"), SpecConfig(speculation="fixed", num_draft_tokens=2, batch_size=2), draft_model=drafter("llama"))
     engine.reserve(rows=2, capacity=20)
     with pytest.raises(BatchspecError, match="needs 24 K/V slots per row; this engine reserved 20"):
         engine.add_request([5] * 10, SamplingParams(max_new_tokens=11))
@@ -500,7 +500,7 @@ def test_rows_never_accept_more_drafts_than_they_proposed(method):
     prompts = random_prompts(6, [3, 9, 5, 12, 2, 7], seed=17)
     truth = {tuple(p): oracle(arch, tuple(p), max_new) for p in prompts}
     lengths = [0, 3, 1, 5, 2, 4]
-    spec = SpecConfig(method=method, num_draft_tokens=5, batch_size=6, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=5, batch_size=6, check_invariants=True)
     engine = build_engine(target(arch), spec, drafter=LengthsDrafter(truth, lengths))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert_matches_oracle(arch, prompts, outputs, max_new)
@@ -520,7 +520,7 @@ def test_rounds_without_drafts_then_speculative_rounds(method, scheduler):
     arch = "qwen2"
     prompts = random_prompts(5, [4, 9, 1, 13, 6], seed=23)
     budgets = [30, 12, 25, 30, 7]
-    spec = SpecConfig(method=method, scheduler=scheduler, num_draft_tokens=4, batch_size=3, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method=method, scheduler=scheduler, num_draft_tokens=4, batch_size=3, check_invariants=True)
     engine = build_engine(target(arch), spec, draft_model=drafter(arch))
     engine.reserve(rows=3, capacity=64)
     engine.speculation = ScheduledSpeculation([0, 0, 0, 3, 0, 4, 0, 0, 0, 0, 0, 0, 2], caps=[4, 1, 3])
@@ -654,7 +654,7 @@ def test_lookup_rows_with_and_without_matches_share_rounds(method):
     arch = "gpt2"
     base = random_prompts(2, [6, 7], seed=37)
     prompts = [base[0] * 4, base[1]]
-    spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=2, drafter="ngram", ngram_min=1, ngram_max=4,
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=4, batch_size=2, drafter="ngram", ngram_min=1, ngram_max=4,
                       check_invariants=True)
     outputs = build_engine(target(arch), spec).generate(prompts, SamplingParams(max_new_tokens=12))
     assert_matches_oracle(arch, prompts, outputs, 12)

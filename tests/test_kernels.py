@@ -90,7 +90,7 @@ def test_speculation_on_packed_models_equals_plain_decoding_on_them(arch, method
     pack_linears(target)
     pack_linears(draft)
     prompts = random_prompts(5, [1, 4, 9, 13, 20], seed=3)
-    engine = build_engine(target, SpecConfig(method=method, num_draft_tokens=4, batch_size=3), (), draft_model=draft)
+    engine = build_engine(target, SpecConfig(speculation="fixed", method=method, num_draft_tokens=4, batch_size=3), (), draft_model=draft)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=14))
     for prompt, seq in zip(prompts, outputs):
         assert seq.generated == greedy_decode(target, prompt, 14)

@@ -24,15 +24,21 @@ def test_every_method_resolves_to_a_layout_and_an_engine():
     assert wrong_methods() == ["naive-kv", "naive-positions", "naive-bonus", "naive-state"]
 
 
-def test_one_default_scheduler_everywhere():
-    """`ragged@4` means the same in `bench` as `--method ragged` in `generate`."""
+def test_one_default_scheduler_and_speculation_everywhere():
+    """`ragged@4` means the same in `bench` as `--method ragged` in `generate`: the ragged layout
+    speculates adaptively by default, the paper's methods verify a fixed K as the paper does."""
     for name, method in METHODS.items():
-        assert SpecConfig(method=name).scheduler == method.default_scheduler
-        assert MethodSpec(name, 4).scheduler == method.default_scheduler
+        assert SpecConfig(method=name).scheduler == MethodSpec(name, 4).scheduler == method.default_scheduler
+        assert SpecConfig(method=name).speculation == MethodSpec(name, 4).speculation == method.default_speculation
     ragged = parse_methods("ragged@4", [4])[1]
     assert ragged.scheduler == SpecConfig(method="ragged").scheduler == "continuous"
+    assert ragged.speculation == SpecConfig().speculation == "adaptive"
+    assert SpecConfig(method="eqspec").speculation == SpecConfig(method="exspec").speculation == "fixed"
     assert ragged.name == "ragged@4"
     assert parse_methods("ragged+static@4", [4])[1].name == "ragged+static@4"
+    assert parse_methods("ragged+fixed@4", [4])[1].name == "ragged+fixed@4"
+    assert parse_methods("eqspec+adaptive@4", [4])[1].name == "eqspec+adaptive@4"
+    assert parse_methods("eqspec+fixed@4", [4])[1].name == "eqspec@4"
 
 
 @pytest.mark.parametrize("method, own", [("eqspec", "static"), ("exspec", "pool"), ("naive-kv", "static")])

@@ -214,7 +214,7 @@ def test_killed_actor_is_restarted_and_its_rows_redone(cluster, model, expected)
 def test_cli_ray_writes_what_generate_writes(cluster, tiny_pair_dirs, tmp_path, capsys, sampling):
     target, draft = tiny_pair_dirs
     args = ["generate", "--prompts", str(mixed_prompts_file(tmp_path, "how many people could go")), "--target", str(target), "--draft", str(draft),
-            "--batch-size", "2", "--num-draft-tokens", "3", "--max-new-tokens", "8", *sampling]
+            "--batch-size", "2", "--num-draft-tokens", "3", "--speculation", "fixed", "--max-new-tokens", "8", *sampling]
     assert main(args + ["--output", str(tmp_path / "here.jsonl")]) == 0
     here = json.loads(capsys.readouterr().out)
     assert main(args + ["--output", str(tmp_path / "ray.jsonl"), "--ray", "--ray-workers", "2",
@@ -331,7 +331,8 @@ def test_real_pair_through_ray(cluster, tmp_path, capsys):
                                             ("ls", "Which shell command lists files?"))))
     out = tmp_path / "out.jsonl"
     assert main(["generate", "--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "8",
-                 "--draft-dtype", "bfloat16", "--ray", "--ray-workers", "1", "--ray-cpus-per-worker", "2"]) == 0
+                 "--draft-dtype", "bfloat16", "--speculation", "fixed",  # so it drafts, whatever the costs here
+                 "--ray", "--ray-workers", "1", "--ray-cpus-per-worker", "2"]) == 0
     summary = json.loads(capsys.readouterr().out)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["sum", "ls"] and [r["error"] for r in rows] == [None, None]

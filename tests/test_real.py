@@ -67,7 +67,8 @@ def oracle() -> list[list[int]]:
 
 @pytest.mark.parametrize("method", ["ragged", "eqspec"])
 def test_real_pair_matches_plain_greedy(method):
-    llm = LLM(spec=SpecConfig(method=method, num_draft_tokens=5, batch_size=4, check_invariants=False), models=pair())
+    spec = SpecConfig(method=method, num_draft_tokens=5, batch_size=4, speculation="fixed", check_invariants=False)
+    llm = LLM(spec=spec, models=pair())
     outputs = llm.generate([list(p) for p in prompts()], SamplingParams(max_new_tokens=MAX_NEW))
     assert [o.error for o in outputs] == [None] * 8
     mismatched = [o.index for o, ref in zip(outputs, oracle()) if o.token_ids != ref]
@@ -91,7 +92,8 @@ def test_real_pair_adaptive_and_lookup_match_plain_greedy(speculation, drafter):
 
 
 def test_real_pair_text_prompts_and_error_records():
-    """Text in, text out, through the chat template; a bad prompt is recorded, the others answered."""
+    """Text in, text out, through the chat template; a bad prompt is recorded, the others answered. The
+    defaults: ragged speculates adaptively, on the real pair's costs measured here."""
     llm = LLM(spec=SpecConfig(method="ragged", num_draft_tokens=4, batch_size=2), models=pair())
     outputs = llm.generate(["Write a Python function that adds two numbers.", "   "], SamplingParams(max_new_tokens=12))
     assert outputs[1].error == "empty prompt"

@@ -176,7 +176,7 @@ def test_coupled_matches_plain_seeded_sampling(arch, method, scheduler):
     target, draft = pair(arch)
     prompts = random_prompts(7, [3, 9, 5, 12], seed=2, vocab=VOCAB)
     params = mixed_params(7, seed=40)
-    spec = SpecConfig(method=method, num_draft_tokens=3, batch_size=3, scheduler=scheduler)
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=3, batch_size=3, scheduler=scheduler)
     assert run(target, prompts, params, spec, draft_model=draft) == oracle(target, prompts, params)
 
 
@@ -196,7 +196,7 @@ def test_coupled_matches_plain_seeded_sampling_property(arch, layout, batch_size
     prompts = random_prompts(5, [2, 7, 4], seed=seed % 1000, vocab=VOCAB)
     params = [SamplingParams(max_new_tokens=10, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i)
               for i in range(5)]
-    spec = SpecConfig(method=layout[0], num_draft_tokens=k, batch_size=batch_size, scheduler=layout[1])
+    spec = SpecConfig(speculation="fixed", method=layout[0], num_draft_tokens=k, batch_size=batch_size, scheduler=layout[1])
     assert run(target, prompts, params, spec, draft_model=draft) == oracle(target, prompts, params)
 
 
@@ -233,7 +233,7 @@ def test_coupled_is_drafter_independent(method):
     prompts = random_prompts(5, [4, 8], seed=3, vocab=VOCAB)
     params = mixed_params(5, seed=11, max_new_tokens=12)
     expected = oracle(target, prompts, params)
-    spec = SpecConfig(method=method, num_draft_tokens=4, batch_size=4)
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=4, batch_size=4)
     scripted = ScriptedDrafter({tuple(p): e for p, e in zip(prompts, expected)}, [1.0, 0.6, 0.0], VOCAB, seed=5)
     assert run(target, prompts, params, spec, drafter=scripted) == expected
     adversarial = AdversarialDrafter(ModelDrafter((RaggedLayout if method == "ragged" else PaddedLayout)(draft, 4, 64)))
@@ -252,9 +252,9 @@ def test_coupled_output_depends_only_on_the_request():
                     SamplingParams(max_new_tokens=16, temperature=0.9, top_k=4)]
     alone = run(target, [prompt], [mine], SpecConfig(method="ar", batch_size=1))[0]
     assert alone == reference_decode(target, prompt, mine, STOP)
-    for spec, engine_seed in ((SpecConfig(method="ragged", num_draft_tokens=2, batch_size=4), 0),
-                              (SpecConfig(method="ragged", num_draft_tokens=5, batch_size=3, scheduler="continuous"), 1),
-                              (SpecConfig(method="eqspec", num_draft_tokens=3, batch_size=6), 2)):
+    for spec, engine_seed in ((SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=2, batch_size=4), 0),
+                              (SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=5, batch_size=3, scheduler="continuous"), 1),
+                              (SpecConfig(speculation="fixed", method="eqspec", num_draft_tokens=3, batch_size=6), 2)):
         batch = others[:2] + [prompt] + others[2:]
         got = run(target, batch, other_params[:2] + [mine] + other_params[2:], spec, draft_model=draft, seed=engine_seed)
         assert got[2] == alone
@@ -267,7 +267,7 @@ def test_rules_do_not_disturb_each_other_in_one_batch():
               SamplingParams(max_new_tokens=15, temperature=0.8, seed=3), SamplingParams(max_new_tokens=15),
               SamplingParams(max_new_tokens=15, temperature=1.3, top_k=10), SamplingParams(max_new_tokens=15, temperature=0.5, seed=4)]
     for method in ("ragged", "eqspec"):
-        got = run(target, prompts, params, SpecConfig(method=method, num_draft_tokens=3, batch_size=6), draft_model=draft)
+        got = run(target, prompts, params, SpecConfig(speculation="fixed", method=method, num_draft_tokens=3, batch_size=6), draft_model=draft)
         for out, prompt, sp in zip(got, prompts, params):
             if sp.greedy:
                 assert out == greedy_decode(target, prompt, sp.max_new_tokens, STOP)
@@ -286,7 +286,7 @@ def test_drafter_uses_the_targets_noise_and_positions():
     for seed in (5, None):
         params = [SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=None if seed is None else seed + i)
                   for i in range(4)]
-        engine = build_engine(target, SpecConfig(method="ragged", num_draft_tokens=4, batch_size=4, generator_seed=0),
+        engine = build_engine(target, SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=4, batch_size=4, generator_seed=0),
                               draft_model=target)
         engine.generate(prompts, params)
         assert engine.stats.drafted > 0 and engine.stats.accepted == engine.stats.drafted
@@ -297,7 +297,7 @@ def test_rejection_runs_are_repeatable_with_an_engine_seed():
     target, draft = pair("gpt2")
     prompts = random_prompts(4, [3, 6], seed=5, vocab=VOCAB)
     params = [SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)] * 4
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=4)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=4)
     first = run(target, prompts, params, spec, draft_model=draft, seed=7)
     assert run(target, prompts, params, spec, draft_model=draft, seed=7) == first
     assert run(target, prompts, params, spec, draft_model=draft, seed=8) != first
@@ -311,7 +311,7 @@ def test_rejection_accepts_drafters_without_probabilities():
     target, _ = pair("llama")
     prompts = random_prompts(3, [4], seed=6, vocab=VOCAB)
     greedy = [greedy_decode(target, p, 10, STOP) for p in prompts]
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3)
     for temperature, top_k in ((0.8, 5), (0.001, 0)):
         params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k)
         scripted = ScriptedDrafter({tuple(p): g for p, g in zip(prompts, greedy)}, 0.7, VOCAB)

@@ -86,13 +86,13 @@ def models(chat_pair):
 
 
 def make_app(models, config: ModelConfig, batch_size: int = 8, **options):
-    spec = SpecConfig(method="ragged", num_draft_tokens=K, batch_size=batch_size)
+    spec = SpecConfig(method="ragged", num_draft_tokens=K, batch_size=batch_size, speculation="fixed")
     return create_app(models, config, spec, ServeOptions(served_model_name=MODEL, **options))
 
 
 @pytest.fixture(scope="module")
 def server(models, chat_pair):
-    """The shared server: ragged, K=3, 8 rows."""
+    """The shared server: ragged, fixed K=3 (so every round drafts and its counters move), 8 rows."""
     app = make_app(models, chat_pair)
     with serving(app) as url:
         yield url, app

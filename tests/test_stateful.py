@@ -127,7 +127,7 @@ def test_model_drafter_matches_oracle(arch, draft_kind, method, continuous, batc
     stop: tuple[int, ...] = ()
     if use_stop:  # a token the target really emits mid-continuation, so rows stop at different rounds
         stop = (oracle(arch, tuple(prompts[0]), params)[max_new // 2],)
-    spec = SpecConfig(method=method, num_draft_tokens=k, batch_size=batch_size,
+    spec = SpecConfig(speculation="fixed", method=method, num_draft_tokens=k, batch_size=batch_size,
                       scheduler="continuous" if continuous else "static")
     engine = build_engine(target(arch), spec, stop, draft_model=drafter(arch, draft_kind))
     outputs = engine.generate(prompts, params)
@@ -151,7 +151,7 @@ def test_rigged_acceptance_matches_oracle_with_invariants(arch, batch_size, k, l
     params = SamplingParams(max_new_tokens=14)
     prompts = random_prompts(len(lengths), lengths, seed)
     truth = {tuple(p): oracle(arch, tuple(p), params) for p in prompts}
-    spec = SpecConfig(method="ragged", num_draft_tokens=k, batch_size=batch_size, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=k, batch_size=batch_size, check_invariants=True)
     engine = build_engine(target(arch), spec, drafter=ScriptedDrafter(truth, p_right, VOCAB_SIZE, seed=seed))
     outputs = engine.generate(prompts, params)
     assert_exact(arch, prompts, outputs, params)
@@ -168,7 +168,7 @@ def test_both_state_strategies_are_exact(arch, layout):
     stateful drafter on the same strategy, invariants checked every round."""
     prompts = random_prompts(6, [1, 9, 5, 14, 2, 11], seed=11)
     params = [SamplingParams(max_new_tokens=n) for n in (16, 7, 16, 12, 3, 16)]
-    spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=4, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=4, batch_size=4, check_invariants=True)
     engine = Engine(target(arch), spec, stateful_layouts(layout),
                             draft_model=drafter(arch, "stateful"), checker=check_views)
     outputs = engine.generate(prompts, params)
@@ -184,7 +184,7 @@ def test_reused_rows_start_clean(arch):
     then one-token prompts that prefill nothing themselves), and none inherits a previous state."""
     prompts = random_prompts(21, [17, 1, 9, 1, 23, 2, 1], seed=21)
     params = [SamplingParams(max_new_tokens=2 + (i * 5) % 11) for i in range(len(prompts))]
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, scheduler="continuous", check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, scheduler="continuous", check_invariants=True)
     outputs = build_engine(target(arch), spec, draft_model=drafter(arch, "stateful")).generate(prompts, params)
     assert [s.index for s in outputs] == list(range(len(prompts)))
     assert_exact(arch, prompts, outputs, params)
@@ -227,7 +227,7 @@ def test_checker_catches_a_commit_that_only_moves_cursors(monkeypatch):
         self.committed = self.lengths = lengths.to(self.device)
 
     monkeypatch.setattr(StatefulLayout, "commit", cursors_only)
-    spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=2, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=4, batch_size=2, check_invariants=True)
     engine = build_engine(target("mamba2"), spec, draft_model=drafter("mamba2", "attention"))
     with pytest.raises(InvariantError, match=r"target: row \d+, round 1: committed (conv|recurrent) state .* differs"):
         engine.generate(random_prompts(2, [5, 7], seed=1), SamplingParams(max_new_tokens=10))
@@ -237,7 +237,7 @@ def test_checker_catches_a_state_committed_one_token_early(monkeypatch):
     """A subtler slip: each row keeps the snapshot before its last accepted token."""
     original = StateStore.keep_steps
     monkeypatch.setattr(StateStore, "keep_steps", lambda self, keep: original(self, (keep - 1).clamp(min=0)))
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, check_invariants=True)
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, check_invariants=True)
     engine = build_engine(target("qwen3_next"), spec, draft_model=drafter("qwen3_next", "attention"))
     with pytest.raises(InvariantError, match="differs from a fresh forward of the committed prefix"):
         engine.generate(random_prompts(3, [4, 8, 2], seed=3), SamplingParams(max_new_tokens=8))
@@ -272,7 +272,7 @@ def test_a_stateful_drafter_alone_also_routes_to_the_stateful_layout():
     """An attention target with a Mamba2 drafter: the drafter keeps states, the target cursors."""
     llama = tiny_model("llama", vocab_size=VOCAB_SIZE, seed=3)
     prompts = random_prompts(4, [2, 9, 5, 13], seed=2)
-    engine = build_engine(llama, SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, check_invariants=True),
+    engine = build_engine(llama, SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, check_invariants=True),
                           draft_model=target("mamba2"))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=10))
     assert type(engine.home) is RaggedLayout and isinstance(engine.drafter.layout, StatefulLayout)

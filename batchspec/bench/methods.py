@@ -6,7 +6,7 @@ options, in any order, each kind at most once:
     static | continuous | pool    the scheduler (default: the method's own)
     chunkN                        chunked prefill, N prompt tokens a step (continuous scheduler)
     kN                            at most N drafts per row and round (default: --num-draft-tokens)
-    fixed | adaptive              the speculation policy (default: fixed)
+    fixed | adaptive              the speculation policy (default: the method's own, as in `generate`)
     model | ngram | hybrid        the drafter (default: model)
 e.g. ragged+k3@1, ragged+adaptive@4, ragged+ngram@1, ragged+ngram+adaptive@1, ragged+hybrid+adaptive@8.
 """
@@ -30,7 +30,7 @@ SYNTAX_HELP = (
     "batched greedy), hf-assisted (generate with the drafter, batch 1 only), and the deliberately wrong naive-kv, "
     "naive-positions, naive-bonus. Options, any order: a scheduler (static, continuous, pool), chunkN (chunked "
     "prefill of N tokens), kN (at most N drafts per row and round; default --num-draft-tokens), fixed or adaptive "
-    "(speculation policy; default fixed), model, ngram or hybrid (drafter; default model). E.g. "
+    "(speculation policy; default the method's own: adaptive for ragged, fixed for eqspec and exspec), model, ngram or hybrid (drafter; default model). E.g. "
     "ar@1,ragged+k1@1,ragged+k3@1,ragged+adaptive@1,ragged+ngram@1,ragged+hybrid+adaptive@1,eqspec@4,hf@4,"
     "hf-assisted@1. Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base)."
 )
@@ -39,21 +39,25 @@ _NUMBERED = re.compile(r"(chunk|k)(\d+)")
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One measured configuration. `method` is an engine method or an HF baseline; `scheduler`
-    None means the method's default (as in `generate`); HF baselines have none. `num_draft_tokens`
-    None: the bench's --num-draft-tokens."""
+    """One measured configuration. `method` is an engine method or an HF baseline; `scheduler` and
+    `speculation` None mean the method's default (as in `generate`); HF baselines have neither.
+    `num_draft_tokens` None: the bench's --num-draft-tokens."""
 
     method: str
     batch_size: int
     scheduler: str | None = None
     prefill_chunk: int | None = None  # continuous scheduler: max_prefill_tokens (None: whole prompts)
     num_draft_tokens: int | None = None
-    speculation: str = "fixed"
+    speculation: str | None = None
     drafter: str = "model"
 
     def __post_init__(self) -> None:
-        if self.scheduler is None and self.method in METHODS:
-            object.__setattr__(self, "scheduler", METHODS[self.method].default_scheduler)
+        if self.method in METHODS:
+            method = METHODS[self.method]
+            if self.scheduler is None:
+                object.__setattr__(self, "scheduler", method.default_scheduler)
+            if self.speculation is None:
+                object.__setattr__(self, "speculation", method.default_speculation)
 
     @property
     def family(self) -> str:
@@ -68,8 +72,8 @@ class MethodSpec:
             parts.append(f"k{self.num_draft_tokens}")
         if self.drafter != "model":
             parts.append(self.drafter)
-        if self.speculation != "fixed":
-            parts.append(self.speculation)
+        if self.method in METHODS and self.speculation != METHODS[self.method].default_speculation:
+            parts.append(str(self.speculation))
         return "+".join(parts)
 
     @property

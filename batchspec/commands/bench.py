@@ -30,6 +30,7 @@ from ..costs import measured_costs
 from ..forensics.oracle import Oracle
 from ..kernels import linear_kernel
 from ..kv import context_limit
+from ..methods import METHODS
 from ..models import ModelPair, eos_token_ids
 from .common import (
     add_config_arguments,
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 "target": args.target or "bundled", "draft": args.draft or "bundled",
                 "linear_kernel": linear_kernel(models.target),
                 "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
-                "speculation_default": "fixed (adaptive where a method says +adaptive)",
+                "speculation_default": {n: m.default_speculation for n, m in METHODS.items() if m.speculative},
                 "methods": [s.name for s in specs], "suite": args.suite,
                 "runs": "per task group" if by_group else "all prompts at once",
                 "repeats": args.repeats,

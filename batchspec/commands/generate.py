@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(fresh, decoded.wall)
     if args.resume:
         summary["resumed"] = len(records) - len(todo)
+    if spec.speculative:  # what chose the K in chosen_k
+        summary["speculation"] = {"policy": spec.speculation, "max_drafts": spec.num_draft_tokens,
+                                  "drafter": spec.drafter}
     stats = decoded.stats
     summary["time_seconds"] = {  # where the time went: model forwards vs everything else
         "prefill": round(stats.prefill_time, 3),
