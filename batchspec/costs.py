@@ -41,18 +41,16 @@ CONTEXT = 32  # committed tokens per row while measuring: decode-like, and cheap
 REPEATS = 4  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
 MAX_GRID = 4  # measured points per axis; the rest is interpolated
 # Drafter forwards timed: its steps (1 and 2 tokens) and catch-ups (a deferred prefill of a row's
-# prompt, a shared forward after rounds without drafts), extrapolated linearly beyond the last. A
-# token costs more the longer the forward (attention), so a catch-up as long as most prompts is
-# timed too (the bundled drafter's 512-token catch-up: 662 ms extrapolated from 16 and 128 tokens,
-# 698 ms measured).
-DRAFT_TOKENS = [1, 2, 16, 128, 512]
+# prompt, a shared forward after rounds without drafts), extrapolated linearly beyond the last. (A
+# 512-token shape was tried: the bundled drafter's 512-token catch-up measured 698 ms against 662 ms
+# extrapolated, a 5% correction that cost a minute more of calibration at batch 8.)
+DRAFT_TOKENS = [1, 2, 16, 128]
 # A cached table whose smallest shape takes this many times what it takes now was measured on a
 # busy machine (a contended 2-core CPU can be several times slower): measured anew, not trusted.
 STALE_FACTOR = 1.3
 # How tables are measured: part of the cache key, so a change to `measure` retires tables measured
-# the old way (version 2: shapes recorded as measured, not made monotone; four timed repeats;
-# version 3: drafter catch-ups of 512 tokens).
-CALIBRATION_VERSION = 3
+# the old way (version 2: shapes recorded as measured, not made monotone; four timed repeats).
+CALIBRATION_VERSION = 2
 
 
 class Costs(Protocol):
@@ -201,7 +199,7 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
         layouts[r] = layout_class(model, r, context + max(tokens))
         layouts[r].prefill([ids] * r)
     best = {(r, n): math.inf for r in rows for n in tokens}
-    # on the bundled pair up to 8 rows this takes under a minute, once per machine: say so (terminals only)
+    # on the bundled pair 9 s at batch 1, more for larger batches, once per machine (a bar in terminals only)
     with tqdm(total=(REPEATS + 1) * len(rows) * len(tokens), unit="forward", file=sys.stderr, leave=False,
               disable=None, desc=f"measuring {type(model).__name__} forward costs (once, cached)") as bar:
         for timed in [False] + [True] * REPEATS:
@@ -292,7 +290,7 @@ def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows:
     verify, where = calibrated(target, rows, grid(max_drafts + 1, (2,)), all_logits=True, fresh=fresh)
     draft_table = None
     if draft is not None:
-        limit = context_limit(draft)  # a catch-up longer than the context cannot happen
+        limit = context_limit(draft)  # a catch-up longer than the context can neither happen nor be measured
         tokens = [n for n in DRAFT_TOKENS if limit is None or n + CONTEXT <= limit]
         draft_table, draft_where = calibrated(draft, rows, tokens, all_logits=False, fresh=fresh)
         where = f"target {where}; drafter {draft_where}"

@@ -8,7 +8,8 @@ options, in any order, each kind at most once:
     kN                            at most N drafts per row and round (default: --num-draft-tokens)
     fixed | adaptive              the speculation policy (default: the method's own, as in `generate`)
     model | ngram | hybrid        the drafter (default: model)
-e.g. ragged+k3@1, ragged+adaptive@4, ragged+ngram@1, ragged+ngram+adaptive@1, ragged+hybrid+adaptive@8.
+e.g. ragged@1 (adaptive, ragged's default), ragged+k3+fixed@1, ragged+ngram@1, ragged+ngram+fixed@4,
+ragged+hybrid@8; a name shows only the options that differ from the method's defaults.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ SYNTAX_HELP = (
     "batched greedy), hf-assisted (generate with the drafter, batch 1 only), and the deliberately wrong naive-kv, "
     "naive-positions, naive-bonus. Options, any order: a scheduler (static, continuous, pool), chunkN (chunked "
     "prefill of N tokens), kN (at most N drafts per row and round; default --num-draft-tokens), fixed or adaptive "
-    "(speculation policy; default the method's own: adaptive for ragged, fixed for eqspec and exspec), model, ngram or hybrid (drafter; default model). E.g. "
-    "ar@1,ragged+k1@1,ragged+k3@1,ragged+adaptive@1,ragged+ngram@1,ragged+hybrid+adaptive@1,eqspec@4,hf@4,"
-    "hf-assisted@1. Without @batch a method runs at every --batch-sizes. ar@1 is always measured (the speedup base)."
+    "(speculation policy; default the method's own: adaptive for ragged, fixed for eqspec and exspec), model, "
+    "ngram or hybrid (drafter; default model). E.g. ar@1,ragged+k1+fixed@1,ragged+k3+fixed@1,ragged+fixed@1,"
+    "ragged@1,ragged+ngram@1,ragged+hybrid@1,eqspec@4,hf@4,hf-assisted@1. Without @batch a method runs at every "
+    "--batch-sizes. ar@1 is always measured (the speedup base)."
 )
 _NUMBERED = re.compile(r"(chunk|k)(\d+)")
 
