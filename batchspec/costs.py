@@ -49,8 +49,9 @@ DRAFT_TOKENS = [1, 2, 16, 128]
 # busy machine (a contended 2-core CPU can be several times slower): measured anew, not trusted.
 STALE_FACTOR = 1.3
 # How tables are measured: part of the cache key, so a change to `measure` retires tables measured
-# the old way (version 2: shapes recorded as measured, not made monotone; four timed repeats).
-CALIBRATION_VERSION = 2
+# the old way (version 2: shapes recorded as measured, not made monotone; four timed repeats;
+# version 3: multi-token forwards read grouped K/V heads in place, `kv.use_gqa_attention`).
+CALIBRATION_VERSION = 3
 
 
 class Costs(Protocol):

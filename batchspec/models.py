@@ -24,6 +24,7 @@ from transformers import (
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
 from .config import NGRAM, BatchspecError, ModelConfig
 from .kernels import apply_linear_kernel
+from .kv import use_gqa_attention
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -94,7 +95,8 @@ def load_model(
 
     ``source`` None means the bundled model for ``role`` ("target" or "draft"). Attention is
     transformers' default, SDPA wherever the architecture has it (forcing "sdpa" would refuse
-    attention-free models such as Mamba2); engines and the oracle share the loaded model, so they
+    attention-free models such as Mamba2), with grouped K/V heads read in place
+    (`kv.use_gqa_attention`, bit-identical); engines and the oracle share the loaded model, so they
     always see the same attention kernel.
     """
     torch_dtype = parse_dtype(dtype)
@@ -118,6 +120,7 @@ def load_model(
         raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
     apply_linear_kernel(model, linear_kernel)
+    use_gqa_attention(model)
     return model, tokenizer
 
 

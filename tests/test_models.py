@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from batchspec import bundled
 from batchspec.bundled import BUNDLED, BundledModel, bundled_installed, cache_dir, converted_dir, join_chunks
 from batchspec.config import BatchspecError, ModelConfig
+from batchspec.kv import GQA_SDPA
 from batchspec.kv import context_limit
 from batchspec.models import check_compatible, encode_prompt, eos_token_ids, load_model, load_pair, parse_dtype
 
@@ -273,7 +274,7 @@ def test_load_gguf_file(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", model)
     loaded, tok = load_model(str(tmp_path / "tiny.gguf"), dtype="bf16")
     assert loaded.dtype == torch.bfloat16 and not loaded.training
-    assert loaded.config._attn_implementation == "sdpa"
+    assert loaded.config._attn_implementation == GQA_SDPA  # grouped K/V heads: read in place
     assert tok.eos_token_id == 1 and encode_prompt(tok, "abc", chat_template=False) == [95, 68]
 
 
@@ -356,7 +357,7 @@ def test_roundtrip_matches_in_memory_model(saved_llama: Path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, tiny_model("llama", seed=3)(ids).logits, rtol=0, atol=0)
     assert not model.training
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == GQA_SDPA
     assert tok.eos_token_id == 1
     half, _ = load_model(str(saved_llama), dtype="bf16")
     assert half.dtype == torch.bfloat16
