@@ -34,8 +34,8 @@ from .kv import context_limit, is_stateful
 from .layouts.ragged import RaggedLayout
 from .layouts.stateful import StatefulLayout
 
-SMOOTHING = 0.1  # weight of each new round in the online rescaling
-TRUSTED_ROUNDS = 8  # observed rounds of a verify shape after which they outweigh the table 4 to 1
+SMOOTHING = 0.1  # weight of each new round in the online rescaling (load, drafter steps, overhead)
+SHAPE_SMOOTHING = 0.01  # ... in a verify shape's own mean, once it has 100 rounds (before: their plain mean)
 SCALE_BOUNDS = (0.2, 5.0)  # a single odd round (a GC pause, a page fault) may not move the model further
 CONTEXT = 32  # committed tokens per row while measuring: decode-like, and cheap to prefill
 REPEATS = 4  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
@@ -119,11 +119,18 @@ class MeasuredCosts:
     """A calibrated `TimingTable` per model, refreshed online by what rounds really take.
 
     Verify forwards are timed exactly (one forward per round), so each shape the engine runs keeps
-    its own running mean, which takes over from the table as observations accumulate (a table point
-    a noisy calibration got wrong is corrected as soon as rounds of that shape run; the policy's
-    probes run the one-draft shape even when it never chooses it). Shapes not seen yet, and drafter
-    steps (a round's drafting time mixes catch-up and steps of two sizes), follow the table scaled
-    by the running ratio of measured to predicted time.
+    its own mean time, which takes over from the table as its rounds accumulate: a table point a
+    noisy calibration got wrong, or one whose cost grows with context where the calibration's
+    context was short, is corrected once rounds of that shape run (the policy's probes run the
+    one-draft shape even when it never chooses it). A shape's mean is the time of its rounds at the
+    load then: `verify_scale` follows the load, from how much slower or faster than its own mean
+    each round of a known shape ran, and carries every shape's mean along, those that have not run
+    lately included. (An earlier version kept plain means: at batch 4 a plain step measured while
+    the machine was busy stayed rated 20% dearer than it had become while the verify shapes that
+    ran were rated at their new cost, and rounds drafted at a loss.) A shape's mean moves slowly
+    once known (SHAPE_SMOOTHING), so a change of load moves the scale rather than the one shape
+    that happens to run. Drafter steps (a round's drafting time mixes catch-up and steps of two
+    sizes) follow their table scaled by the running ratio of measured to predicted time.
     """
 
     def __init__(self, verify: TimingTable, draft: TimingTable | None, source: str = "") -> None:
@@ -132,14 +139,15 @@ class MeasuredCosts:
         self.source = source  # where the tables came from, for reports
         self.verify_scale = 1.0
         self.draft_scale = 1.0
-        self.seen: dict[tuple[int, int], tuple[float, int]] = {}  # (rows, tokens) -> (mean seconds, rounds)
+        # (rows, tokens) -> (mean seconds, rounds, verify_scale when the mean was last updated)
+        self.seen: dict[tuple[int, int], tuple[float, int, float]] = {}
         self._overhead: float | None = None
 
     def verify_time(self, rows: int, tokens: int) -> float:
         table = self.verify(rows, tokens) * self.verify_scale
-        mean, count = self.seen.get((rows, tokens), (0.0, 0))
-        trust = min(count, TRUSTED_ROUNDS) / (min(count, TRUSTED_ROUNDS) + 2)
-        return trust * mean + (1 - trust) * table
+        mean, count, scale_then = self.seen.get((rows, tokens), (0.0, 0, 1.0))
+        trust = count / (count + 2)
+        return trust * mean * self.verify_scale / scale_then + (1 - trust) * table
 
     def draft_time(self, rows: int, tokens: int) -> float:
         return 0.0 if self.draft is None else self.draft(rows, tokens) * self.draft_scale
@@ -148,9 +156,16 @@ class MeasuredCosts:
         return self._overhead or 0.0
 
     def observe(self, rows: int, width: int, steps: int, draft_s: float, verify_s: float, other_s: float) -> None:
-        self.verify_scale = _rescaled(self.verify_scale, verify_s, self.verify(rows, width + 1))
-        mean, count = self.seen.get((rows, width + 1), (0.0, 0))
-        self.seen[rows, width + 1] = (mean + max(SMOOTHING, 1 / (count + 1)) * (verify_s - mean), count + 1)
+        shape = (rows, width + 1)
+        mean, count, scale_then = self.seen.get(shape, (0.0, 0, 1.0))
+        expected = self.verify_time(*shape)
+        if expected > 0 and verify_s > 0:  # a round of a shape known well tells the load
+            ratio = min(max(verify_s / expected, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+            trust = count / (count + 2)
+            self.verify_scale = min(max(self.verify_scale * (1 + SMOOTHING * trust * (ratio - 1)),
+                                        SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+        now = mean * self.verify_scale / scale_then  # the mean at today's load
+        self.seen[shape] = (now + max(SHAPE_SMOOTHING, 1 / (count + 1)) * (verify_s - now), count + 1, self.verify_scale)
         if steps and self.draft is not None:
             predicted = self.draft(rows, 2) + (steps - 1) * self.draft(rows, 1)
             self.draft_scale = _rescaled(self.draft_scale, draft_s, predicted)

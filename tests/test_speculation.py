@@ -16,6 +16,7 @@ from batchspec.drafters import SHARED_CATCH_UP, Draft
 from batchspec.sequence import Sequence
 from batchspec.speculation import (
     FORCED,
+    OPEN_MARGIN,
     PROBE_SHARE,
     SAMPLED,
     AcceptanceModel,
@@ -69,6 +70,21 @@ def test_expensive_drafting_and_low_acceptance_choose_plain_steps_with_rare_prob
     cost = catch_up + policy.round_time(2, 1, 1) - plain
     every = math.ceil(cost / (PROBE_SHARE * plain)) + 1  # plain steps until the budget allows one, then the probe
     assert probes == list(range(every - 1, 400, every))
+
+
+def test_a_round_drafts_only_for_a_gain_beyond_the_margin():
+    """Drafting that promises less than OPEN_MARGIN more tokens per second than a plain step is
+    turned down: the estimates are noisier than that."""
+    ratios, decisions = [], []
+    for step in torch.linspace(0.5, 1.2, 71).tolist():
+        policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=1.0, verify_token=0.0, draft_step=step))
+        seqs = rows(2)
+        teach(policy, seqs, accepted=1)
+        steer = policy.plan(seqs).steer
+        ratios.append(policy.best_width(steer, 1, K, 0)[1] / policy.best_width(steer, 0, 0, 0)[1])
+        decisions.append(steer.proceed(0))
+    assert decisions == [r > 1 + OPEN_MARGIN for r in ratios]
+    assert any(1 < r <= 1 + OPEN_MARGIN for r in ratios) and any(decisions) and not all(decisions)
 
 
 def test_high_acceptance_and_cheap_drafting_verify_k_max():
