@@ -310,11 +310,11 @@ class AdaptiveSpeculation(Speculation):
         its whole forward. The estimate is optimistic (it assumes the row runs to max_new_tokens,
         and a row never drafted for has only the other rows' acceptance to go by), so it must cover
         the cost CATCH_UP_PAYBACK times. In a replay of 36 SpecBench prompts on this machine's
-        measured costs (`scripts/spec_replay.py`, calibration version 3), 1.5x declined the drafter's
+        measured costs (`scripts/spec_replay.py`), 1.5x declined the drafter's
         prefill of the ~1,000-token summarization and RAG prompts at batch 1, where it pays (1.13x
         and 1.00x of plain decoding against 1.46x and 1.12x at 1.25x); 1x and 1.25x tied at batch 1
-        and at 4 and 8 (where no row drafted), and 1.25x was 1% faster at batch 2. (With the version
-        2 table a 1x rule lost 2-3% at batch 8.) The replay bills rounds at the table, so it cannot
+        and at 4 and 8 (where no row drafted), and 1.25x was 1% faster at batch 2. (On an earlier
+        table a 1x rule lost 2-3% at batch 8.) The replay bills rounds at the table, so it cannot
         see the table's own errors: on the machine, batch 4 has measured 0.90x of plain decoding in
         a run where rows caught up drafted in only 15% of row-rounds (README)."""
         lagging = steer.backlog > SHARED_CATCH_UP
