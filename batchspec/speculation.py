@@ -68,7 +68,8 @@ MAX_ACCEPTANCE = 0.999
 CATCH_UP_PAYBACK = 1.25  # a row's catch-up must be expected to save this many times its cost (see `leave_out`)
 PROBE_SHARE = 0.03  # of the time spent in plain steps, at most this goes to probing whether drafting pays again
 # A round drafts only if it promises this much more than a plain step: its costs and acceptance are
-# estimates (identical rounds here vary by 5-10%), and drafting for a 1% gain loses whenever they err.
+# estimates (two runs of the same plain steps here took 19.1 and 21.3 s), and drafting for a 1% gain
+# loses whenever they err.
 OPEN_MARGIN = 0.05
 
 
@@ -316,7 +317,7 @@ class AdaptiveSpeculation(Speculation):
         and at 4 and 8 (where no row drafted), and 1.25x was 1% faster at batch 2. (On an earlier
         table a 1x rule lost 2-3% at batch 8.) The replay bills rounds at the table, so it cannot
         see the table's own errors: on the machine, batch 4 has measured 0.90x of plain decoding in
-        a run where rows caught up drafted in only 15% of row-rounds (README)."""
+        a run where rows caught up drafted in only 15% of row-rounds (docs/results/README.md)."""
         lagging = steer.backlog > SHARED_CATCH_UP
         top = int(steer.caps.max())
         if not bool(lagging.any()) or top == 0:
