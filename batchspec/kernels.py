@@ -89,6 +89,14 @@ class PackedLinear(torch.nn.Module):
                 f"bias={self.bias is not None}, oneDNN packed")
 
 
+def native_bfloat16() -> bool:
+    """Whether oneDNN computes bfloat16 natively on this CPU (AVX-512 BF16 or AMX). Without it, bfloat16
+    linears run on torch's generic path: a 1-row product reads half the bytes of float32 and is faster,
+    but the cost grows with every row (an 8960x1536 product on an AVX2-only EPYC: 2.9 ms for 1 row,
+    8.8 ms for 4, 32 ms for 16, against 5.7, 6.0 and 10.6 ms packed in float32)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why this model's linears cannot be packed here, or None when they can."""
     param = next(model.parameters())
@@ -97,7 +105,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
     if param.dtype == torch.bfloat16:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if not native_bfloat16():
             return "this CPU has no bfloat16 support in oneDNN"
     elif param.dtype != torch.float32:
         return f"packed linears support float32 and bfloat16, not {param.dtype}"

@@ -103,6 +103,24 @@ def test_calibration_is_cached_per_model_and_refreshed_when_it_does_not_cover(tm
     assert fingerprint(llama) == fingerprint(tiny_model("llama", vocab_size=50))
 
 
+def test_cost_tables_are_kept_apart_per_instruction_set(monkeypatch):
+    """Two CPUs sold under one name ("AMD EPYC": one with AVX-512 and native bfloat16, one with AVX2
+    only, each this project's machine on some day) differ several-fold in cost: a table measured on
+    one must not be read on the other."""
+    import torch
+
+    llama = tiny_model("llama")
+    here = fingerprint(llama)
+    isa, bf16 = torch.backends.cpu.get_cpu_capability(), costs_module.native_bfloat16()
+    assert isa in costs_module.cpu_description()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if isa != "AVX512" else "AVX2")
+    other_isa = fingerprint(llama)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: isa)
+    monkeypatch.setattr(costs_module, "native_bfloat16", lambda: not bf16)
+    other_bf16 = fingerprint(llama)
+    assert len({here["hardware"], other_isa["hardware"], other_bf16["hardware"]}) == 3
+
+
 def test_a_cached_table_measured_on_a_busy_machine_is_measured_anew(tmp_path, monkeypatch):
     monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
     monkeypatch.setattr(costs_module, "_MEMO", {})

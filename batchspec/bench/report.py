@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import transformers
 
-from ..costs import MeasuredCosts, break_even, cpu_model
+from ..costs import MeasuredCosts, break_even, cpu_description
 from ..forensics.compare import FP_TIE, SYNC_ERROR
 from .exactness import Match
 from .methods import BASELINE_SPEC
@@ -33,10 +33,10 @@ NOISE_NOTE = (
 )
 
 
-def machine_info(dtype: str, draft_dtype: str | None, device: str) -> dict[str, Any]:
+def machine_info(dtype: str, draft_dtype: str, device: str) -> dict[str, Any]:
     """Enough of the machine to tell whether two bench runs are comparable at all."""
     return {
-        "cpu": cpu_model(),
+        "cpu": cpu_description(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -44,7 +44,7 @@ def machine_info(dtype: str, draft_dtype: str | None, device: str) -> dict[str, 
         "python": platform.python_version(),
         "platform": platform.platform(),
         "dtype": dtype,
-        "draft_dtype": draft_dtype or dtype,
+        "draft_dtype": draft_dtype,
         "device": device,
         "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else None,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
