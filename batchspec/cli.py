@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Iterable
 from types import ModuleType
 from typing import NoReturn
@@ -78,6 +79,12 @@ def build_parser(load: Iterable[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: object = None, line: str | None = None) -> None:
+    """A warning as one line a user reads, not a source location."""
+    print(f"batchspec: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -88,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     try:
-        return int(_module(args.command).run(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(_module(args.command).run(args) or 0)
     except BatchspecError as err:
         print(f"batchspec {args.command}: error: {err}", file=sys.stderr)
         return 2

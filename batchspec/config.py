@@ -38,7 +38,8 @@ class ModelConfig:
 
     target/draft: a local Hugging Face folder, a `.gguf` file, or None for the bundled pair; draft
     `ngram` loads no drafter model and drafts by prompt lookup (`SpecConfig.drafter` "ngram").
-    draft_dtype None: the target's dtype (a different drafter dtype changes acceptance, never output).
+    draft_dtype None: the target's dtype; "auto": bfloat16 where the device computes it natively, else the
+    target's (`models.draft_dtype`). A different drafter dtype changes acceptance, never the output.
     chat_template: wrap text prompts in the tokenizer's chat template when it has one.
     allow_special_tokens: parse control tokens spelled in prompt text (e.g. `<|im_end|>`); off, prompt
     text is plain text and cannot forge chat turns.
@@ -48,7 +49,8 @@ class ModelConfig:
     draft: str | None = option(None, "HF model folder or .gguf file, or `ngram`: prompt lookup over each row's context, "
                                "no second model (default: bundled Qwen2.5-Coder-0.5B-Instruct)")
     dtype: str = option("float32", "target dtype: float32 | bfloat16 | float16")
-    draft_dtype: str | None = option(None, "drafter dtype (default: --dtype); changes acceptance, never the output")
+    draft_dtype: str | None = option(None, "drafter dtype (default: --dtype); auto = bfloat16 where the device "
+                                     "computes it natively, else --dtype; changes acceptance, never the output")
     device: str = option("cpu", "cpu, cuda, cuda:1, ...")
     linear_kernel: str = option(
         "auto", "linear layers: packed = oneDNN with weights packed once at load (CPU, float32/bfloat16: "

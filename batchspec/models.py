@@ -8,6 +8,7 @@ transformers traceback.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from transformers import (
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
 from .config import NGRAM, BatchspecError, ModelConfig
-from .kernels import apply_linear_kernel
+from .kernels import apply_linear_kernel, native_bfloat16
 from .kv import use_gqa_attention
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -121,6 +122,11 @@ def load_model(
     model.eval()
     apply_linear_kernel(model, linear_kernel)
     use_gqa_attention(model)
+    if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not native_bfloat16():
+        warnings.warn(
+            f"{label} in bfloat16: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16, so "
+            "its products run on torch's generic path, whose cost grows with every row and token a forward feeds "
+            "(batches, verifies, prefills); float32 is likely faster here", stacklevel=2)
     return model, tokenizer
 
 
@@ -133,20 +139,41 @@ class ModelPair:
     tokenizer: PreTrainedTokenizerBase
 
 
+def draft_dtype(config: ModelConfig) -> str:
+    """The drafter's dtype name: as given, the target's when not given, and for "auto" bfloat16 where
+    the device computes it natively (a CPU with AVX-512 BF16 or AMX, a CUDA GPU that has it), the
+    target's elsewhere: emulated bfloat16 reads half the bytes of float32 but slows with every row and
+    token a forward feeds (`kernels.native_bfloat16`), so there a drafter's catch-ups and batched
+    steps cost more than in float32."""
+    if config.draft_dtype is None:
+        return config.dtype
+    if config.draft_dtype.lower() != "auto":
+        return config.draft_dtype
+    try:
+        device = torch.device(config.device)
+    except (RuntimeError, TypeError):
+        return config.dtype  # load_model refuses the device with one clear line
+    if device.type == "cuda":
+        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    else:
+        native = device.type == "cpu" and native_bfloat16()
+    return "bfloat16" if native else config.dtype
+
+
 def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
     """Load the target and (if ``need_draft``) the drafter of ``config``, and check that they can
     be paired. Both dtypes are validated before any (slow) loading starts. Draft ``ngram`` is prompt
     lookup: no drafter model to load."""
     parse_dtype(config.dtype)
-    draft_dtype = config.dtype if config.draft_dtype is None else config.draft_dtype
+    drafter_dtype = draft_dtype(config)
     need_draft = need_draft and config.draft != NGRAM
     if need_draft:
-        parse_dtype(draft_dtype)
+        parse_dtype(drafter_dtype)
     target_model, target_tok = load_model(config.target, role="target", dtype=config.dtype, device=config.device,
                                           linear_kernel=config.linear_kernel)
     if not need_draft:
         return ModelPair(target=target_model, draft=None, tokenizer=target_tok)
-    draft_model, draft_tok = load_model(config.draft, role="draft", dtype=draft_dtype, device=config.device,
+    draft_model, draft_tok = load_model(config.draft, role="draft", dtype=drafter_dtype, device=config.device,
                                         linear_kernel=config.linear_kernel)
     try:
         check_compatible(target_model, target_tok, draft_model, draft_tok)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,15 @@ from batchspec.bundled import BUNDLED, BundledModel, bundled_installed, cache_di
 from batchspec.config import BatchspecError, ModelConfig
 from batchspec.kv import GQA_SDPA
 from batchspec.kv import context_limit
-from batchspec.models import check_compatible, encode_prompt, eos_token_ids, load_model, load_pair, parse_dtype
+from batchspec.models import (
+    check_compatible,
+    draft_dtype,
+    encode_prompt,
+    eos_token_ids,
+    load_model,
+    load_pair,
+    parse_dtype,
+)
 
 PREFIX = "fakepkg_part"
 CHUNKS = [b"GGUF" + bytes(range(60)), b"middle chunk " * 7, b"\x00\xff tail"]
@@ -361,6 +370,33 @@ def test_roundtrip_matches_in_memory_model(saved_llama: Path) -> None:
     assert tok.eos_token_id == 1
     half, _ = load_model(str(saved_llama), dtype="bf16")
     assert half.dtype == torch.bfloat16
+
+
+def test_bfloat16_without_native_support_warns(saved_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 on a CPU that lacks it natively runs, exactly, but slows with every row: say so once,
+    at load; float32 and a CPU with native bfloat16 load quietly."""
+    import batchspec.models as models_module
+
+    monkeypatch.setattr(models_module, "native_bfloat16", lambda: False)
+    with pytest.warns(UserWarning, match="no native bfloat16.*float32 is likely faster here"):
+        load_model(str(saved_llama), dtype="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(str(saved_llama))
+        monkeypatch.setattr(models_module, "native_bfloat16", lambda: True)
+        load_model(str(saved_llama), dtype="bf16", linear_kernel="torch")
+
+
+def test_auto_draft_dtype_is_bfloat16_only_where_it_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    import batchspec.models as models_module
+
+    monkeypatch.setattr(models_module, "native_bfloat16", lambda: False)
+    assert draft_dtype(ModelConfig(draft_dtype="auto")) == "float32"
+    assert draft_dtype(ModelConfig(dtype="bfloat16", draft_dtype="auto")) == "bfloat16"  # the target's, as asked
+    assert draft_dtype(ModelConfig(draft_dtype="auto", device="warp-drive")) == "float32"  # load_model says why
+    monkeypatch.setattr(models_module, "native_bfloat16", lambda: True)
+    assert draft_dtype(ModelConfig(draft_dtype="AUTO")) == "bfloat16"
+    assert draft_dtype(ModelConfig()) == "float32" and draft_dtype(ModelConfig(draft_dtype="fp16")) == "fp16"
 
 
 def test_pair_compatible_and_incompatible(tmp_path: Path, saved_llama: Path, tokenizer: PreTrainedTokenizerFast) -> None:

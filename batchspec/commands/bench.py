@@ -31,7 +31,7 @@ from ..forensics.oracle import Oracle
 from ..kernels import linear_kernel
 from ..kv import context_limit
 from ..methods import METHODS
-from ..models import ModelPair, eos_token_ids
+from ..models import ModelPair, draft_dtype, eos_token_ids
 from .common import (
     add_config_arguments,
     add_model_arguments,
@@ -39,6 +39,7 @@ from .common import (
     add_sampling_arguments,
     config_from_args,
     load_models,
+    model_config,
     params_for,
     prompt_encoder,
 )
@@ -103,7 +104,9 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
     groups = {str(g): sum(1 for p in chosen if p.group == g) for g in group_order(chosen)}
     lengths = [len(p.token_ids) for p in chosen]
     info = {
-        "file": str(path), "count": len(chosen), "available": len(candidates), "skipped": skipped,
+        # as the user named it, or the bundled file by its place in the package (not this machine's path)
+        "file": args.prompts or "batchspec/data/spec_bench/question.jsonl (bundled)",
+        "count": len(chosen), "available": len(candidates), "skipped": skipped,
         "groups": groups if group_order(chosen) != [None] else None,
         "prompt_tokens": {"mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
         "chat_template": args.chat_template,
@@ -159,9 +162,9 @@ def run(args: argparse.Namespace) -> int:
     results = [fastest_of(runs[s], parts) for s in specs]
 
     entries = build_report(results, prompts)
-    machine = machine_info(args.dtype, args.draft_dtype, args.device)
+    machine = machine_info(args.dtype, draft_dtype(model_config(args)), args.device)
     title = (f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, K {args.num_draft_tokens}, "
-             f"{args.dtype} target, {args.draft_dtype or args.dtype} drafter on {machine['device']}, "
+             f"{args.dtype} target, {machine['draft_dtype']} drafter on {machine['device']}, "
              f"{linear_kernel(models.target)} linears "
              f"({machine['cpu']}, {machine['torch_threads']} threads)")
     groups = ", ".join(f"{g} {n}" for g, n in (prompt_info["groups"] or {}).items())
