@@ -190,36 +190,36 @@ def test_bench_compares_speculation_policies_and_drafters(tiny_pair_dirs, tmp_pa
     assert all(r["chosen_k"] for r in rows if r["method"] != "ar@1")
 
 
-def test_fast_but_wrong_labels_never_overlap() -> None:
-    """Many exact methods at nearly the same speed on the 100% line: every label readable on its own."""
+def test_fast_but_wrong_shows_every_method_readably_and_wrong_ones_apart() -> None:
+    """Many exact methods at nearly the same speed: every method's name readable on its own, fastest
+    on top, and the wrong ones coloured and labelled apart from the exact ones."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from batchspec.bench.plots import _fast_but_wrong
+    from batchspec.bench.plots import EXACT_COLOR, WRONG_COLOR, _fast_but_wrong
 
     names = ["ar@1", "ar@4", "ragged+k1@1", "ragged+k3@1", "ragged+k5@1", "ragged+adaptive@1", "ragged+ngram@1",
              "ragged+ngram+adaptive@1", "ragged+hybrid+adaptive@1", "eqspec@4", "exspec@4", "naive-kv@4",
-             "naive-bonus@4"]
+             "naive-bonus@4"] + [f"ragged+k{k}@{b}" for k in (1, 3, 5) for b in (2, 4, 8)]
     entries = [{"method": n, "tokens_per_s": 2.0 + 0.01 * i, "exact_match": 0.0 if "naive" in n else 1.0}
                for i, n in enumerate(names)]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     _fast_but_wrong(ax, entries)
     renderer = fig.canvas.get_renderer()
-    labels = [t for t in ax.texts if t.get_text() in names]
-    def text_box(label):  # the text alone, without its leader line
-        probe = ax.annotate(label.get_text(), label.xy, textcoords="offset points", xytext=label.xyann,
-                            fontsize=label.get_fontsize(), ha=label.get_ha(), va=label.get_va())
-        box = probe.get_window_extent(renderer)
-        probe.remove()
-        return box
-
-    boxes = [text_box(t) for t in labels]
-    frame = ax.get_window_extent(renderer)
-    assert sorted(t.get_text() for t in labels) == sorted(names)
+    ticks = ax.get_yticklabels()
+    assert [t.get_text() for t in ticks] == names  # ascending speed: the fastest is the top bar
+    boxes = [t.get_window_extent(renderer) for t in ticks]
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    frame = fig.bbox
     assert all(frame.contains(b.x0, b.y0) and frame.contains(b.x1, b.y1) for b in boxes)
+    colors = {name: matplotlib.colors.to_hex(bar.get_facecolor()) for name, bar in zip(names, ax.patches)}
+    wrong = {n for n in names if "naive" in n}
+    assert {n for n, c in colors.items() if c == matplotlib.colors.to_hex(WRONG_COLOR)} == wrong
+    assert {n for n, c in colors.items() if c == matplotlib.colors.to_hex(EXACT_COLOR)} == set(names) - wrong
+    notes = [t.get_text() for t in ax.texts]
+    assert notes.count("0% exact") == len(wrong) and notes.count("100% exact") == len(names) - len(wrong)
     plt.close(fig)
 
 
