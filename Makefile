@@ -27,14 +27,18 @@ $(MODEL_STAMP): $(STAMP)
 	touch $@
 
 run: setup
-	$(BIN)/batchspec generate --prompts $(PROMPTS) --method ragged --batch-size 4 --draft-dtype bfloat16 \
+	$(BIN)/batchspec generate --prompts $(PROMPTS) --method ragged --batch-size 4 --draft-dtype auto \
 		--num-draft-tokens 5 --max-new-tokens 48 --verify --output $(OUT)/generate.jsonl
 
+# Tiny-model tests run on one thread each (tests/conftest.py), so two workers use both cores (a test
+# file stays on one worker: its module-scoped fixtures, a Ray cluster, are built once); the real-pair
+# tests want every core for one 1.5B model and run alone after them.
 test: setup
-	BATCHSPEC_REQUIRE_REAL=$${BATCHSPEC_REQUIRE_REAL:-1} $(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider -m "not real" -n 2 --dist loadfile
+	BATCHSPEC_REQUIRE_REAL=$${BATCHSPEC_REQUIRE_REAL:-1} $(BIN)/pytest -q -p no:cacheprovider -m real
 
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -m "not real"
+	$(BIN)/pytest -q -p no:cacheprovider -m "not real" -n 2 --dist loadfile
 
 bench: setup
 	$(BIN)/batchspec bench --num-prompts 6 --max-new-tokens 48 --json $(OUT)/bench.json
