@@ -122,7 +122,7 @@ def load_model(
     model.eval()
     apply_linear_kernel(model, linear_kernel)
     use_gqa_attention(model)
-    if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not native_bfloat16():
+    if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not computes_bfloat16(torch_device):
         warnings.warn(
             f"{label} in bfloat16: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16, so "
             "its products run on torch's generic path, whose cost grows with every row and token a forward feeds "
@@ -139,12 +139,18 @@ class ModelPair:
     tokenizer: PreTrainedTokenizerBase
 
 
+def computes_bfloat16(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 natively: a CPU with AVX-512 BF16 or AMX
+    (`kernels.native_bfloat16`, which says what emulation costs), a CUDA GPU that has it."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and native_bfloat16()
+
+
 def draft_dtype(config: ModelConfig) -> str:
     """The drafter's dtype name: as given, the target's when not given, and for "auto" bfloat16 where
-    the device computes it natively (a CPU with AVX-512 BF16 or AMX, a CUDA GPU that has it), the
-    target's elsewhere: emulated bfloat16 reads half the bytes of float32 but slows with every row and
-    token a forward feeds (`kernels.native_bfloat16`), so there a drafter's catch-ups and batched
-    steps cost more than in float32."""
+    the device computes it natively, the target's elsewhere (emulated, a drafter's catch-ups and
+    batched steps cost more than in float32)."""
     if config.draft_dtype is None:
         return config.dtype
     if config.draft_dtype.lower() != "auto":
@@ -153,11 +159,7 @@ def draft_dtype(config: ModelConfig) -> str:
         device = torch.device(config.device)
     except (RuntimeError, TypeError):
         return config.dtype  # load_model refuses the device with one clear line
-    if device.type == "cuda":
-        native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    else:
-        native = device.type == "cpu" and native_bfloat16()
-    return "bfloat16" if native else config.dtype
+    return "bfloat16" if computes_bfloat16(device) else config.dtype
 
 
 def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
