@@ -12,7 +12,7 @@
 #
 #   make setup && scripts/gpu_bench.sh                  # 10 prompts per task group, 128 new tokens
 #   PER_CATEGORY=80 scripts/gpu_bench.sh                # the whole suite (480 prompts): hours
-#   METHODS=ar,ragged+adaptive BATCHES=1,8 scripts/gpu_bench.sh
+#   METHODS=ar+continuous,ragged BATCHES=1,8 scripts/gpu_bench.sh
 set -euo pipefail
 
 BIN=${BIN:-.venv/bin}
@@ -21,7 +21,9 @@ DEVICE=${DEVICE:-cuda}
 PER_CATEGORY=${PER_CATEGORY:-10}
 MAX_NEW=${MAX_NEW:-128}
 BATCHES=${BATCHES:-1,2,4,8,16,32}
-METHODS=${METHODS:-ar,ragged+k1,ragged+k3,ragged+k5,ragged+adaptive,ragged+ngram,ragged+ngram+adaptive,ragged+hybrid+adaptive,eqspec,exspec}
+# ragged speculates adaptively by default (`+fixed`: K every round); ar+continuous is plain decoding batched
+# as ragged batches, the baseline of the paired ratios
+METHODS=${METHODS:-ar,ar+continuous,ragged+k1+fixed,ragged+k3+fixed,ragged+fixed,ragged,ragged+ngram+fixed,ragged+ngram,ragged+hybrid,eqspec,exspec}
 STRICT=${STRICT:-0}
 
 mkdir -p "$OUT"

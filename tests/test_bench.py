@@ -177,6 +177,13 @@ def test_bench_compares_speculation_policies_and_drafters(tiny_pair_dirs, tmp_pa
     by_name = {m["method"]: m for m in report["methods"]}
     assert list(by_name) == ["ar@1", *methods.split(",")]
     assert "Break-even" in report["costs"] and report["settings"]["repeats"] == 2
+    # paired with plain decoding at the same batch size: only batch 1 has a plain run here (ar@1)
+    assert "Paired with plain decoding" in stdout
+    paired = {e["method"]: e for e in report["paired"]}
+    assert set(paired) == {"ragged+ngram@1", "ragged+hybrid@1"}
+    for entry in paired.values():
+        assert entry["baseline"] == "ar@1" and entry["repeats"] == 2
+        assert len(entry["parts"]["all"]["end_to_end"]["samples"]) == 2
     for name in methods.split(","):
         entry = by_name[name]
         assert entry["error"] is None and entry["exact_match"] == 1.0, (name, entry["divergences"])

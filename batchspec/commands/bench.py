@@ -21,6 +21,7 @@ from ..bench.methods import (
     parse_methods,
     parse_prefill_chunks,
 )
+from ..bench.paired import paired_speedups, render_paired
 from ..bench.plots import write_plots
 from ..bench.report import NOISE_NOTE, build_report, machine_info, render_costs, render_tables, write_csv
 from ..bench.runner import ALL, MethodResult, fastest_of, run_method, warm_up
@@ -160,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             for s in specs if repeat % 2 == 0 else specs[::-1]:
                 runs[s].append(run_method(models, s, prompts, {label: indices}, template, stop_ids, oracle, classify))
     results = [fastest_of(runs[s], parts) for s in specs]
+    paired = paired_speedups(runs, list(parts), args.repeats) if args.repeats > 1 else []
 
     entries = build_report(results, prompts)
     machine = machine_info(args.dtype, draft_dtype(model_config(args)), args.device)
@@ -175,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
           f"{'one run per task group' if by_group else 'all prompts in one run'}{repeats}")
     print(f"torch {machine['torch']}, transformers {machine['transformers']}\n")
     print(render_tables(entries))
+    if paired:
+        print(f"\n{render_paired(paired)}")
     print(f"\n{NOISE_NOTE}")
 
     if args.json:
@@ -198,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             "auditor": classify.describe(),
             "note": NOISE_NOTE,
             "methods": entries,
+            "paired": paired,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
