@@ -42,6 +42,7 @@ stays distribution-preserving.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -149,14 +150,29 @@ class AcceptanceModel:
             out.append(self.rows[s.index])
         return out
 
-    def expected(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[b, k_max] each row's acceptance probability per draft position, before drafting: its own
-        recent rate, shrunk towards the rate of all rows at that position."""
-        overall = (self.position_hits + PRIOR_WEIGHT * POSITION_PRIOR) / (self.position_trials + PRIOR_WEIGHT)
+    def _overall(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[k_max] the rate of all rows at each position, and the pseudo-trials behind it."""
+        trials = self.position_trials + PRIOR_WEIGHT
+        return (self.position_hits + PRIOR_WEIGHT * POSITION_PRIOR) / trials, trials
+
+    def _shrunk(self, seqs: list[Sequence], overall: torch.Tensor) -> torch.Tensor:
+        """[b, k_max] each row's own recent rate, shrunk towards `overall`."""
         history = self._history(seqs)
         hits = torch.stack([h.hits for h in history])
         trials = torch.stack([h.trials for h in history])
         return ((hits + PRIOR_WEIGHT * overall) / (trials + PRIOR_WEIGHT)).clamp(max=MAX_ACCEPTANCE)
+
+    def expected(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[b, k_max] each row's acceptance probability per draft position, before drafting: its own
+        recent rate, shrunk towards the rate of all rows at that position."""
+        return self._shrunk(seqs, self._overall()[0])
+
+    def optimistic(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[b, k_max] as `expected`, with the rate of all rows raised by one standard deviation of
+        what its trials tell (a Beta posterior's): high while little is known, the rate itself once
+        much is. For investments whose return is learning as much as tokens (`leave_out`)."""
+        overall, trials = self._overall()
+        return self._shrunk(seqs, overall + (overall * (1 - overall) / (trials + 1)).sqrt())
 
     def _cells(self, position: torch.Tensor, confidence: torch.Tensor, source: torch.Tensor) -> tuple:
         bins = torch.where(torch.isnan(confidence), NO_CONFIDENCE,
@@ -301,35 +317,52 @@ class AdaptiveSpeculation(Speculation):
 
     def leave_out(self, steer: RoundSteering) -> None:
         """Cap at 0 the rows whose long catch-up (a prompt the drafter has not prefilled, a long run
-        of plain steps) would cost more than drafting for them is expected to save over the tokens
-        they have left.
+        of plain steps) is not worth its cost to the batch.
 
-        Saving per token of row b: a plain step's time minus a speculative round's time per token
-        the row commits in it, T(0) - T(w) / (1 + g_b), at the width w the batch would choose and
-        the row's expected accepted drafts g_b; over its remaining tokens, divided by the rows
-        (one row finishing sooner frees 1/rows of the batch). The catch-up stalls every row for
-        its whole forward. The estimate is optimistic (it assumes the row runs to max_new_tokens,
-        and a row never drafted for has only the other rows' acceptance to go by), so it must cover
-        the cost CATCH_UP_PAYBACK times. In a replay of 36 SpecBench prompts on this machine's
-        measured costs (`scripts/spec_replay.py`), 1.5x declined the drafter's
-        prefill of the ~1,000-token summarization and RAG prompts at batch 1, where it pays (1.13x
-        and 1.00x of plain decoding against 1.46x and 1.12x at 1.25x); 1x and 1.25x tied at batch 1
-        and at 4 and 8 (where no row drafted), and 1.25x was 1% faster at batch 2. (On an earlier
-        table a 1x rule lost 2-3% at batch 8.) The replay bills rounds at the table, so it cannot
-        see the table's own errors: on the machine, batch 4 has measured 0.90x of plain decoding in
-        a run where rows caught up drafted in only 15% of row-rounds (docs/results/README.md)."""
+        The verify forward is rectangular, so a row left out of drafting still pays for the round's
+        width: whether drafting pays at all depends on how many rows draft, and catching up one more
+        row can be what makes the rounds worth running for every row. So the choice is of a set: the
+        rows without a long lag plus the k cheapest lagging ones. With R_k the best rate a round of
+        that set promises (a plain step's if it does not beat it by OPEN_MARGIN), catching up those
+        k rows saves W_k (1 / R_0 - 1 / R_k) seconds over the W_k tokens the batch decodes while they
+        are in flight (rows times their mean remaining tokens; other rows, and rows that replace them,
+        are taken to draft as now), and costs their catch-ups, which stall every row; the k that
+        saves most beyond CATCH_UP_PAYBACK times that cost is taken (none if none does). The estimate
+        assumes rows run to max_new_tokens, hence the margin. Acceptance is weighed optimistically
+        here (`AcceptanceModel.optimistic`): a catch-up also buys what the rounds it opens teach.
+        Weighed row by row instead (each row's own saving against its own catch-up), one
+        summarization prompt at batch 4 was left out, the other three rows could not pay for the
+        padded verify without it, and the batch ran plain steps to the end: a replay of 12 SpecBench
+        prompts on this machine's costs (`scripts/spec_replay.py`) drafted in 2% of row-rounds at
+        1.01x of plain decoding, where fixed K = 2 ran at 1.10x."""
         lagging = steer.backlog > SHARED_CATCH_UP
         top = int(steer.caps.max())
         if not bool(lagging.any()) or top == 0:
             return
         rows = len(steer.seqs)
-        width, _ = self.best_width(steer, 1, top, 0)
-        gain = steer.cumulative(width).sum(dim=1)
-        per_token = self.round_time(rows, 0, 0) - self.round_time(rows, width, width) / (1 + gain)
-        remaining = torch.tensor([s.remaining for s in steer.seqs], dtype=torch.float64)
-        saved = remaining * per_token / rows
-        cost = torch.tensor([self.costs.draft_time(1, int(n)) for n in steer.backlog], dtype=torch.float64)
-        steer.caps = torch.where(lagging & (saved <= CATCH_UP_PAYBACK * cost), 0, steer.caps)
+        alive = torch.arange(top)[None, :] < steer.caps[:, None]
+        gains = torch.cumprod(self.model.optimistic(steer.seqs)[:, :top], dim=1) * alive  # [b, top]
+        plain = rows / self.round_time(rows, 0, 0)
+
+        def rate(drafting: torch.Tensor) -> float:
+            extra = torch.cat([torch.zeros(1, dtype=torch.float64), (gains * drafting[:, None]).sum(dim=0).cumsum(dim=0)])
+            best = max((rows + float(extra[w])) / self.round_time(rows, w, w) for w in range(1, top + 1))
+            return best if best > plain * (1 + OPEN_MARGIN) else plain
+
+        remaining = [s.remaining for s in steer.seqs]
+        cost = [self.costs.draft_time(1, int(n)) if lag else 0.0 for n, lag in zip(steer.backlog, lagging.tolist())]
+        order = sorted(lagging.nonzero().flatten().tolist(), key=lambda b: cost[b])
+        drafting = ~lagging
+        before = rate(drafting)
+        best = (0.0, 0)  # (seconds saved beyond the margin, rows caught up)
+        for k, b in enumerate(order, start=1):
+            drafting[b] = True
+            tokens = rows * sum(remaining[c] for c in order[:k]) / k
+            saved = tokens * (1 / before - 1 / rate(drafting)) - CATCH_UP_PAYBACK * sum(cost[c] for c in order[:k])
+            best = max(best, (saved, k))
+        left_out = torch.zeros_like(lagging)
+        left_out[order[best[1]:]] = True
+        steer.caps = torch.where(left_out, 0, steer.caps)
 
     def open(self, steer: RoundSteering) -> bool:
         """Whether to run the drafter at all this round (its first step): if the best width promises

@@ -4,6 +4,9 @@ every round is billed at the measured cost table.
 
     PYTHONPATH=. python scripts/spec_replay.py --per-category 2 --max-new-tokens 48 \
         --batch-sizes 1,2,4,8 --data runs/replay.json
+    # the same rounds billed at another machine's costs, as a bench run printed them (no models loaded)
+    PYTHONPATH=. python scripts/spec_replay.py --batch-sizes 1,2,4,8 --data runs/replay.json \
+        --costs-from docs/results/bench_issue10_gqa_b2-8.json
 
 Why: a bench run of 12 SpecBench prompts takes minutes per method and moves by 5-15% between runs
 on this shared machine, so two policies that differ by a few percent cannot be told apart by it;
@@ -37,7 +40,7 @@ from pathlib import Path
 import torch
 
 from batchspec.config import ModelConfig, SamplingParams, SpecConfig
-from batchspec.costs import MeasuredCosts, measured_costs
+from batchspec.costs import MeasuredCosts, TimingTable, measured_costs
 from batchspec.drafters import SHARED_CATCH_UP, Draft
 from batchspec.llm import LLM
 from batchspec.models import load_pair
@@ -72,6 +75,25 @@ def record(llm: LLM, per_category: int, max_new_tokens: int) -> list[Record]:
         top_p, top = probs.max(dim=-1)
         records.append(Record(p.group, list(p.token_ids), out.token_ids, top.tolist(), top_p.tolist()))
     return records
+
+
+def printed_costs(path: Path) -> MeasuredCosts:
+    """The target's and the drafter's timing tables as `batchspec bench --costs` printed them into
+    its JSON report (milliseconds; a header of tokens per row, a line per batch size)."""
+    tables = []
+    lines = json.loads(path.read_text())["costs"].splitlines()
+    for title in ("target forward (ms)", "drafter forward (ms)"):
+        start = next(i for i, line in enumerate(lines) if line.startswith(title))
+        tokens = [int(cell) for cell in lines[start].split()[3::2]]
+        rows, seconds = [], []
+        for line in lines[start + 2 :]:
+            if not line.strip():
+                break
+            cells = line.split()
+            rows.append(int(cells[0]))
+            seconds.append([float(ms) / 1e3 for ms in cells[2:]])
+        tables.append(TimingTable(rows, tokens, seconds))
+    return MeasuredCosts(*tables, source=str(path))
 
 
 class Replay:
@@ -176,15 +198,20 @@ def main() -> None:
     p.add_argument("-k", "--num-draft-tokens", type=int, default=5)
     p.add_argument("--draft-dtype", default="bfloat16")
     p.add_argument("--data", help="JSON of recorded outputs: read if it exists, else recorded and written here")
+    p.add_argument("--costs-from", help="bill rounds at the cost tables printed in this `bench --costs --json` "
+                   "report (another machine's, say) instead of this machine's")
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     path = Path(args.data) if args.data else None
-    config = ModelConfig(draft_dtype=args.draft_dtype)
-    models = load_pair(config)
-    llm = LLM(config, spec=SpecConfig(method="ar", batch_size=4), models=models)
-    if path is not None and path.is_file():
+    recorded = path is not None and path.is_file()
+    models = None
+    if not recorded or not args.costs_from:
+        config = ModelConfig(draft_dtype=args.draft_dtype)
+        models = load_pair(config)
+    if recorded:
         records = [Record(**r) for r in json.loads(path.read_text())]
     else:
+        llm = LLM(config, spec=SpecConfig(method="ar", batch_size=4), models=models)
         records = record(llm, args.per_category, args.max_new_tokens)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +221,8 @@ def main() -> None:
           "simulated decode tokens/s (drafter prefill included, target prefill not) and ratio to ar")
     for batch in batches:
         def fresh() -> MeasuredCosts:
+            if args.costs_from:
+                return printed_costs(Path(args.costs_from))
             return measured_costs(models.target, models.draft, batch, args.num_draft_tokens)
 
         parts = {g: [r for r in records if r.group == g] for g in groups} if batch == 1 else {"all": records}

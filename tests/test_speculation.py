@@ -153,29 +153,64 @@ def test_one_draft_pays_exactly_above_the_break_even_acceptance():
 
 def test_rows_whose_catch_up_does_not_pay_are_left_out():
     """A row the drafter has not caught up on (a prompt it has not prefilled) joins the round only if
-    drafting for it is expected to save more than feeding it costs: a longer backlog, fewer tokens
-    left or a bigger batch (its catch-up stalls every row) leave it out; rows without backlog stay."""
+    catching it up is expected to save the batch more than feeding it costs: a longer backlog or
+    fewer tokens left leave it out; rows without backlog stay. Whether a catch-up pays depends on the
+    other rows: where they already draft it adds one row's drafts, where they all lag too, catching
+    them all up is what makes drafting worth it (the verify is padded to every row), so a bigger
+    backlog each is worth paying for."""
     costs = ScriptedCosts(verify_base=1.0, verify_token=0.02, draft_step=0.05, draft_token=0.002)
     policy = AdaptiveSpeculation(K, costs)
     seqs = rows(4, budget=40) + [Sequence(9, [5, 6, 7], SamplingParams(max_new_tokens=3), frozenset())]
     teach(policy, seqs, accepted=4)
     steer = policy.plan(seqs, [0, 300, 800, 100000, 300]).steer
     assert steer.proceed(0)
-    assert steer.drafting().tolist() == [True, True, True, False, False]  # the last: 2 tokens left
+    assert steer.drafting().tolist() == [True, True, False, False, False]  # the last: 2 tokens left
 
-    def joined(backlog: int, batch: int) -> bool:
+    def joined(backlog: int, batch: int, others: int = 0) -> bool:
         seqs = rows(batch, budget=40)
         teach(policy, seqs, accepted=4)
-        steer = policy.plan(seqs, [backlog] + [0] * (batch - 1)).steer
+        steer = policy.plan(seqs, [backlog] + [others] * (batch - 1)).steer
         return steer.proceed(0) and bool(steer.drafting()[0])
 
-    limits = []
-    for batch in (1, 4):
-        verdicts = [joined(n, batch) for n in (0, 500, 2000, 8000, 30000, 100000)]
+    backlogs = (0, 500, 2000, 8000, 30000, 100000)
+    limits = {}
+    for batch, together in ((1, False), (4, False), (4, True)):
+        verdicts = [joined(n, batch, n if together else 0) for n in backlogs]
         assert verdicts[0] and not verdicts[-1]
         assert verdicts == sorted(verdicts, reverse=True)  # monotone in the backlog
-        limits.append(verdicts.count(True))
-    assert limits[0] > limits[1]  # a bigger batch tolerates less catch-up per row
+        limits[batch, together] = verdicts.count(True)
+    assert limits[1, False] > limits[4, False]  # a lone catch-up at batch 4 stalls three rows that draft anyway
+    assert limits[4, True] > limits[4, False]  # ... but when every row lags, catching all up opens the rounds
+
+
+def test_catch_ups_are_judged_optimistically_while_acceptance_is_unknown():
+    """Catching a row up is an investment whose return is also what the round teaches about
+    acceptance: while few drafts have been judged it is weighed at one standard deviation above the
+    rate of all rows (the prior's 0.6 with its 8 pseudo-trials: ~0.76), and the bound closes in on the
+    rate as trials accumulate. A catch-up that pays at the bound but not at the rate is taken by a
+    fresh policy and declined once the rate is known for certain."""
+    model = AcceptanceModel(K)
+    seqs = rows(2)
+    gaps = []
+    for trials in (0, 10, 100, 1000):
+        model.position_trials.fill_(trials)
+        model.position_hits.fill_(0.6 * trials)
+        gaps.append(float((model.optimistic(seqs) - model.expected(seqs)).min()))
+    assert gaps[0] == pytest.approx(math.sqrt(0.6 * 0.4 / 9), abs=1e-9)
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < 0.02
+
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.02, draft_step=0.05, draft_token=0.002)
+
+    def joins(policy: AdaptiveSpeculation, backlog: int) -> bool:
+        steer = policy.plan(rows(4, budget=40), [backlog] * 4).steer  # four new rows: every prompt a catch-up
+        return steer.proceed(0) and bool(steer.drafting().any())
+
+    fresh, certain = AdaptiveSpeculation(K, costs), AdaptiveSpeculation(K, costs)
+    certain.model.position_trials.fill_(1e5)
+    certain.model.position_hits.fill_(0.6e5)  # the prior's rate, known for certain
+    assert torch.allclose(fresh.model.expected(rows(4)), certain.model.expected(rows(4)))
+    assert joins(fresh, 2000) and not joins(certain, 2000)
+    assert joins(certain, 1000) and not joins(fresh, 3000)  # both still weigh what it costs
 
 
 def test_lagging_rows_alone_do_not_open_the_drafter_when_catching_up_does_not_pay():
