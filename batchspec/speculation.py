@@ -28,11 +28,11 @@ PROBE_SHARE of plain decoding's time.
 The drafter may first have to catch rows up: it has not seen what plain steps committed, nor the
 prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). A short lag
 is caught up in one forward shared by all rows and counts as part of the round that drafts. A long
-one (a prompt, a long run of plain steps) is an investment over the row's remaining tokens, weighed
-per row before the round (`leave_out`): a row whose catch-up is not expected to pay back twice
-over the tokens it has left is left out of drafting (its cap is 0) and decodes plainly; at a large
-batch, where every row waits for one row's catch-up and speculation gains little, that is most
-rows, and plain decoding costs what `ar` does.
+one (a prompt, a long run of plain steps) is an investment, weighed for the batch before the round
+(`leave_out`): the lagging rows worth catching up are chosen together, since the verify is padded
+to every row and one more row drafting can be what makes the rounds pay for all; a row left out
+(its cap is 0) decodes plainly. Where speculation gains little (a large batch on a CPU) no catch-up
+pays, the drafter never runs, and plain decoding costs what `ar` does.
 
 Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
 greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen;
@@ -359,7 +359,8 @@ class AdaptiveSpeculation(Speculation):
             drafting[b] = True
             tokens = rows * sum(remaining[c] for c in order[:k]) / k
             saved = tokens * (1 / before - 1 / rate(drafting)) - CATCH_UP_PAYBACK * sum(cost[c] for c in order[:k])
-            best = max(best, (saved, k))
+            if saved > best[0]:
+                best = (saved, k)
         left_out = torch.zeros_like(lagging)
         left_out[order[best[1]:]] = True
         steer.caps = torch.where(left_out, 0, steer.caps)
