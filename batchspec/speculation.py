@@ -262,10 +262,11 @@ class RoundSteering:
         self.alpha[:, step] = self.policy.model.calibrate(self.seqs, step, confidence, source)
         self.steps = step + 1
 
-    def cumulative(self, width: int) -> torch.Tensor:
-        """[b, width] P(row b accepts its first j + 1 drafts), 0 past each row's cap."""
+    def cumulative(self, width: int, alpha: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, width] P(row b accepts its first j + 1 drafts), 0 past each row's cap; from `alpha`
+        [b, k_max] per-slot probabilities instead of the round's own when given."""
         alive = torch.arange(width)[None, :] < self.caps[:, None]
-        return torch.cumprod(self.alpha[:, :width], dim=1) * alive
+        return torch.cumprod((self.alpha if alpha is None else alpha)[:, :width], dim=1) * alive
 
 
 class AdaptiveSpeculation(Speculation):
@@ -286,14 +287,16 @@ class AdaptiveSpeculation(Speculation):
         return drafting + self.costs.verify_time(rows, width + 1) + self.costs.overhead()
 
     def best_width(self, steer: RoundSteering, lo: int, hi: int, steps_run: int,
-                   extra: float = 0.0) -> tuple[int, float]:
+                   extra: float = 0.0, cumulative: torch.Tensor | None = None) -> tuple[int, float]:
         """The width in [lo, hi] with the most expected tokens per second, and that rate; widths
         beyond the `steps_run` drafts in hand pay for the drafter steps still needed, every width
-        `extra` seconds. An empty range rates -inf."""
+        `extra` seconds. `cumulative` [b, >= hi]: acceptance to rate by (default the round's own,
+        `steer.cumulative`). An empty range rates -inf."""
         if hi < lo:
             return lo, float("-inf")
         rows = len(steer.seqs)
-        gains = torch.cat([torch.zeros(1, dtype=torch.float64), steer.cumulative(hi).sum(dim=0).cumsum(dim=0)])
+        cumulative = steer.cumulative(hi) if cumulative is None else cumulative[:, :hi]
+        gains = torch.cat([torch.zeros(1, dtype=torch.float64), cumulative.sum(dim=0).cumsum(dim=0)])
         best = (lo, float("-inf"))
         for width in range(lo, hi + 1):
             rate = (rows + float(gains[width])) / (self.round_time(rows, width, max(width, steps_run)) + extra)
@@ -336,32 +339,31 @@ class AdaptiveSpeculation(Speculation):
         Weighed row by row instead (each row's own saving against its own catch-up), one
         summarization prompt at batch 4 was left out, the other three rows could not pay for the
         padded verify without it, and the batch ran plain steps to the end: a replay of 12 SpecBench
-        prompts on this machine's costs (`scripts/spec_replay.py`) drafted in 2% of row-rounds at
+        prompts on the AMX Xeon's costs (`scripts/spec_replay.py`) drafted in 2% of row-rounds at
         1.01x of plain decoding, where fixed K = 2 ran at 1.10x."""
         lagging = steer.backlog > SHARED_CATCH_UP
         top = int(steer.caps.max())
         if not bool(lagging.any()) or top == 0:
             return
         rows = len(steer.seqs)
-        alive = torch.arange(top)[None, :] < steer.caps[:, None]
-        gains = torch.cumprod(self.model.optimistic(steer.seqs)[:, :top], dim=1) * alive  # [b, top]
+        optimistic = steer.cumulative(top, self.model.optimistic(steer.seqs))
         plain = rows / self.round_time(rows, 0, 0)
 
         def rate(drafting: torch.Tensor) -> float:
-            extra = torch.cat([torch.zeros(1, dtype=torch.float64), (gains * drafting[:, None]).sum(dim=0).cumsum(dim=0)])
-            best = max((rows + float(extra[w])) / self.round_time(rows, w, w) for w in range(1, top + 1))
+            _, best = self.best_width(steer, 1, top, 0, cumulative=optimistic * drafting[:, None])
             return best if best > plain * (1 + OPEN_MARGIN) else plain
 
-        remaining = [s.remaining for s in steer.seqs]
-        cost = [self.costs.draft_time(1, int(n)) if lag else 0.0 for n, lag in zip(steer.backlog, lagging.tolist())]
-        order = sorted(lagging.nonzero().flatten().tolist(), key=lambda b: cost[b])
+        cost = {b: self.costs.draft_time(1, int(steer.backlog[b])) for b in lagging.nonzero().flatten().tolist()}
+        order = sorted(cost, key=cost.get)
         drafting = ~lagging
         before = rate(drafting)
         best = (0.0, 0)  # (seconds saved beyond the margin, rows caught up)
+        tokens_left = spent = 0.0  # of the rows caught up so far
         for k, b in enumerate(order, start=1):
             drafting[b] = True
-            tokens = rows * sum(remaining[c] for c in order[:k]) / k
-            saved = tokens * (1 / before - 1 / rate(drafting)) - CATCH_UP_PAYBACK * sum(cost[c] for c in order[:k])
+            tokens_left += steer.seqs[b].remaining
+            spent += cost[b]
+            saved = rows * tokens_left / k * (1 / before - 1 / rate(drafting)) - CATCH_UP_PAYBACK * spent
             if saved > best[0]:
                 best = (saved, k)
         left_out = torch.zeros_like(lagging)

@@ -219,10 +219,11 @@ def main() -> None:
     groups = list(dict.fromkeys(r.group for r in records))
     print(f"{len(records)} prompts ({', '.join(groups)}), {sum(len(r.output) for r in records)} output tokens; "
           "simulated decode tokens/s (drafter prefill included, target prefill not) and ratio to ar")
+    printed = printed_costs(Path(args.costs_from)) if args.costs_from else None
     for batch in batches:
         def fresh() -> MeasuredCosts:
-            if args.costs_from:
-                return printed_costs(Path(args.costs_from))
+            if printed is not None:  # a fresh copy: the online rescaling is per run
+                return MeasuredCosts(printed.verify, printed.draft, printed.source)
             return measured_costs(models.target, models.draft, batch, args.num_draft_tokens)
 
         parts = {g: [r for r in records if r.group == g] for g in groups} if batch == 1 else {"all": records}
