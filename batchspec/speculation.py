@@ -26,12 +26,13 @@ copying code, say) is noticed: once the plain steps since the drafter last ran a
 PROBE_SHARE of plain decoding's time.
 
 The drafter may first have to catch rows up: it has not seen what plain steps committed, nor the
-prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). A short lag
-is caught up in one forward shared by all rows and counts as part of the round that drafts. A long
-one (a prompt, a long run of plain steps) is an investment, weighed for the batch before the round
-(`leave_out`): the lagging rows worth catching up are chosen together, since the verify is padded
-to every row and one more row drafting can be what makes the rounds pay for all; a row left out
-(its cap is 0) decodes plainly. Where speculation gains little (a large batch on a CPU) no catch-up
+prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). Catching up
+is an investment: paid once, it opens the rounds after it, so it is weighed against what drafting
+saves over the tokens the rows have left, not charged to one round. A short lag (a few plain steps)
+is caught up in one forward shared by all rows. A long one (a prompt, a long run of plain steps) is
+weighed for the batch before the round (`leave_out`): the lagging rows worth catching up are chosen
+together, since the verify is padded to every row and one more row drafting can be what makes the
+rounds pay for all; a row left out (its cap is 0) decodes plainly. Where speculation gains little (a large batch on a CPU) no catch-up
 pays, the drafter never runs, and plain decoding costs what `ar` does.
 
 Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
@@ -321,6 +322,12 @@ class AdaptiveSpeculation(Speculation):
         short = lags[lags <= SHARED_CATCH_UP]
         return self.costs.draft_time(len(steer.seqs), int(short.max())) if bool((short > 0).any()) else 0.0
 
+    @staticmethod
+    def saving(tokens: float, before: float, after: float) -> float:
+        """Seconds saved decoding `tokens` at `after` tokens per second rather than `before`: what a
+        catch-up buys, paid once for the rounds it opens."""
+        return tokens * (1 / before - 1 / after)
+
     def leave_out(self, steer: RoundSteering) -> None:
         """Cap at 0 the rows whose long catch-up (a prompt the drafter has not prefilled, a long run
         of plain steps) is not worth its cost to the batch.
@@ -329,14 +336,18 @@ class AdaptiveSpeculation(Speculation):
         width: whether drafting pays at all depends on how many rows draft, and catching up one more
         row can be what makes the rounds worth running for every row. So the choice is of a set: the
         rows without a long lag plus the k cheapest lagging ones. With R_k the best rate a round of
-        that set promises (a plain step's if it does not beat it by OPEN_MARGIN), catching up those
+        that set promises (a plain step's if `open` would not draft for it: its rate on expected
+        acceptance does not beat a plain step's by OPEN_MARGIN), catching up those
         k rows saves W_k (1 / R_0 - 1 / R_k) seconds over the W_k tokens the batch decodes while they
         are in flight (rows times their mean remaining tokens; other rows, and rows that replace them,
         are taken to draft as now), and costs their catch-ups, which stall every row; the k that
         saves most beyond CATCH_UP_PAYBACK times that cost is taken (none if none does). The estimate
         assumes rows run to max_new_tokens, hence the margin. Acceptance is weighed optimistically
         here (`AcceptanceModel.optimistic`): a catch-up also buys what the rounds it opens teach.
-        Weighed row by row instead (each row's own saving against its own catch-up), one
+        The baseline R_0 is what `open` will then do, not that optimism: weighed against seven rows
+        drafting at the bound, a batch of 8 on the AMX Xeon left a new prompt out, `open` found the
+        seven alone not worth drafting for, and the batch ran plain steps on. Weighed row by row
+        instead (each row's own saving against its own catch-up), one
         summarization prompt at batch 4 was left out, the other three rows could not pay for the
         padded verify without it, and the batch ran plain steps to the end: a replay of 12 SpecBench
         prompts on the AMX Xeon's costs (`scripts/spec_replay.py`) drafted in 2% of row-rounds at
@@ -346,12 +357,14 @@ class AdaptiveSpeculation(Speculation):
         if not bool(lagging.any()) or top == 0:
             return
         rows = len(steer.seqs)
+        expected = steer.cumulative(top)
         optimistic = steer.cumulative(top, self.model.optimistic(steer.seqs))
         plain = rows / self.round_time(rows, 0, 0)
 
         def rate(drafting: torch.Tensor) -> float:
-            _, best = self.best_width(steer, 1, top, 0, cumulative=optimistic * drafting[:, None])
-            return best if best > plain * (1 + OPEN_MARGIN) else plain
+            if self.best_width(steer, 1, top, 0, cumulative=expected * drafting[:, None])[1] <= plain * (1 + OPEN_MARGIN):
+                return plain  # `open` would not draft for this set: its rounds are plain steps
+            return self.best_width(steer, 1, top, 0, cumulative=optimistic * drafting[:, None])[1]
 
         cost = {b: self.costs.draft_time(1, int(steer.backlog[b])) for b in lagging.nonzero().flatten().tolist()}
         order = sorted(cost, key=cost.get)
@@ -363,7 +376,7 @@ class AdaptiveSpeculation(Speculation):
             drafting[b] = True
             tokens_left += steer.seqs[b].remaining
             spent += cost[b]
-            saved = rows * tokens_left / k * (1 / before - 1 / rate(drafting)) - CATCH_UP_PAYBACK * spent
+            saved = self.saving(rows * tokens_left / k, before, rate(drafting)) - CATCH_UP_PAYBACK * spent
             if saved > best[0]:
                 best = (saved, k)
         left_out = torch.zeros_like(lagging)
@@ -373,7 +386,10 @@ class AdaptiveSpeculation(Speculation):
     def open(self, steer: RoundSteering) -> bool:
         """Whether to run the drafter at all this round (its first step): if the best width promises
         OPEN_MARGIN more tokens per second than a plain step. Rows whose long catch-up does not pay
-        are left out; a short catch-up is this round's cost. When the estimates say no,
+        are left out; a short one (after plain steps) must save more than CATCH_UP_PAYBACK times
+        its cost over the drafting rows' remaining tokens (charged to this round alone, a batch of 8
+        that declined one round found the next dearer by the catch-up, and the next dearer still, and
+        never drafted again). When the estimates say no,
         a one-draft probe of every row runs once the plain steps since the drafter last ran have
         taken 1 / PROBE_SHARE times what the probe costs beyond a plain step."""
         everyone = steer.caps.clone()
@@ -382,8 +398,10 @@ class AdaptiveSpeculation(Speculation):
         self.leave_out(steer)
         if int(steer.caps.max()) > 0:
             _, stop = self.best_width(steer, 0, 0, 0)
-            _, go = self.best_width(steer, 1, int(steer.caps.max()), 0, self.catch_up_time(steer, long=False))
-            if go > stop * (1 + OPEN_MARGIN):
+            _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
+            remaining = torch.tensor([s.remaining for s in steer.seqs], dtype=torch.float64)[steer.drafting()]
+            short = self.catch_up_time(steer, long=False)
+            if go > stop * (1 + OPEN_MARGIN) and self.saving(rows * float(remaining.mean()), stop, go) > CATCH_UP_PAYBACK * short:
                 self.idle_s = 0.0
                 return True
         steer.caps = everyone

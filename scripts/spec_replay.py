@@ -100,10 +100,13 @@ class Replay:
     """One simulated run of a policy over some records at a batch size, billed by `truth`."""
 
     def __init__(self, records: list[Record], batch: int, policy: Speculation, truth: MeasuredCosts,
-                 prefill: str) -> None:
+                 prefill: str, max_new_tokens: int) -> None:
         """prefill: when the drafter prefills a prompt: `admission`, `lazy` (when first drafted
-        for) or `never` (no drafter: plain decoding)."""
+        for) or `never` (no drafter: plain decoding). max_new_tokens: the budget the outputs were
+        recorded with; a shorter output ended at its last token, a stop token, which is all the
+        policy is told (it must not know in advance where a row stops)."""
         self.records, self.batch, self.policy, self.truth, self.prefill = records, batch, policy, truth, prefill
+        self.max_new_tokens = max_new_tokens
         self.time = {"draft_prefill": 0.0, "catch_up": 0.0, "draft": 0.0, "verify": 0.0}
         self.chosen: list[int] = []
         self.tokens = 0
@@ -115,7 +118,8 @@ class Replay:
         while waiting or running:
             while waiting and len(running) < self.batch:
                 i, rec = waiting.pop(0)
-                seq = Sequence(i, rec.prompt, SamplingParams(max_new_tokens=len(rec.output)), frozenset())
+                stop = frozenset(rec.output[-1:]) if len(rec.output) < self.max_new_tokens else frozenset()
+                seq = Sequence(i, rec.prompt, SamplingParams(max_new_tokens=self.max_new_tokens), stop)
                 seq.extend(rec.output[:1])  # the first token comes from the target's prefill
                 running.append((seq, rec))
                 have.append(len(rec.prompt) if self.prefill == "admission" else 0)
@@ -235,7 +239,7 @@ def main() -> None:
             cells, tokens, seconds, chosen = [], 0, 0.0, []
             for label, recs in parts.items():
                 policy, prefill = make(fresh())
-                replay = Replay(recs, batch, policy, fresh(), prefill).run()
+                replay = Replay(recs, batch, policy, fresh(), prefill, args.max_new_tokens).run()
                 rate = replay.tokens / replay.seconds
                 base.setdefault(label, rate)
                 cells.append(f"{rate:6.2f} {rate / base[label]:5.2f}x")

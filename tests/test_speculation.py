@@ -302,3 +302,46 @@ def test_confidence_of_sampled_rows_never_looks_at_the_drawn_token():
         assert got.tolist() == pytest.approx([float(q[0]), float(q[token]), float((q * q).sum())])
         forced = sampling.draft_confidence(logits, tokens, torch.tensor([False, False, True]), seqs)
         assert float(forced[2]) == pytest.approx(float(q[token]))
+
+
+@pytest.mark.parametrize("budget, resumes", [(40, True), (3, False)])
+def test_a_batch_resumes_drafting_when_its_short_catch_up_pays_over_the_rows_remaining_tokens(budget, resumes):
+    """After plain steps every row lags the drafter by a few tokens, caught up in one shared forward
+    before drafting resumes. That forward opens every round after it, so it is weighed against what
+    drafting saves over the tokens the rows have left, not charged to one round: charged to one round
+    (an earlier version), a batch of 8 that declined a single round on the AMX Xeon found the next
+    round dearer by the catch-up and never drafted again (0.97x of plain decoding where drafting paid)."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.02, draft_step=0.3, draft_token=0.05)
+    policy = AdaptiveSpeculation(K, costs)
+    seqs = rows(8, budget=budget)
+    teach(policy, seqs, accepted=4)
+    lag = 10  # a shared catch-up, dearer than a plain step here
+    steer = policy.plan(seqs, [lag] * 8).steer
+    go = policy.best_width(steer, 1, int(steer.caps.max()), 0)[1]
+    plain = policy.best_width(steer, 0, 0, 0)[1]
+    extra = costs.draft_time(8, lag)
+    assert go > plain * (1 + OPEN_MARGIN) > policy.best_width(steer, 1, int(steer.caps.max()), 0, extra)[1]
+    assert steer.proceed(0) == resumes
+    if resumes:
+        assert steer.drafting().all()
+
+
+def test_a_catch_up_is_weighed_against_what_the_batch_does_without_it():
+    """The baseline a catch-up is weighed against is the rounds the batch would run without it, decided
+    as `open` decides them (on expected acceptance): here seven rows drafting would not beat plain
+    steps by OPEN_MARGIN, so leaving the eighth row out means plain steps for all, and catching it up
+    is what opens drafting. Weighed against seven rows drafting at the optimistic bound (an earlier
+    version), the catch-up looked worth less than its cost, the row was left out, the round stayed
+    plain, and the batch ran plain steps on."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.05, draft_step=0.28, draft_token=0.002)
+    policy = AdaptiveSpeculation(K, costs)  # fresh: acceptance 0.6 expected, ~0.76 optimistic
+    seqs = rows(8, budget=40)
+    backlog = [0] * 7 + [2000]
+    steer = policy.plan(seqs, backlog).steer
+    plain = policy.best_width(steer, 0, 0, 0)[1]
+    seven = steer.cumulative(K) * torch.tensor([True] * 7 + [False])[:, None]
+    assert policy.best_width(steer, 1, K, 0, cumulative=seven)[1] <= plain * (1 + OPEN_MARGIN)
+    assert policy.best_width(steer, 1, K, 0)[1] > plain * (1 + OPEN_MARGIN)
+    assert steer.proceed(0) and steer.drafting().all()
+    steer = policy.plan(seqs, [0] * 7 + [20000]).steer  # ten times the backlog: not worth it, all plain
+    assert not steer.proceed(0)
