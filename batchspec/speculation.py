@@ -155,9 +155,19 @@ class AcceptanceModel:
         return out
 
     def _overall(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[k_max] the rate of all rows at each position, and the pseudo-trials behind it."""
+        """[k_max] the rate of all rows at each position, and the pseudo-trials behind it. Each
+        position's prior is the rate of the position before it (the first's, POSITION_PRIOR): a
+        position is judged only in rounds that drafted that far, so with a fixed prior a position
+        never drafted stays at the prior, and a prior below what the drafter achieves would never be
+        tested (replayed on SpecBench rounds, no row ever verified a 4th or 5th draft, even on
+        math prompts accepted ~85% per draft: `docs/results/spec_replay_position_prior.txt`)."""
         trials = self.position_trials + PRIOR_WEIGHT
-        return (self.position_hits + PRIOR_WEIGHT * POSITION_PRIOR) / trials, trials
+        rates = torch.empty_like(trials)
+        prior = POSITION_PRIOR
+        for j in range(self.k_max):
+            rates[j] = (self.position_hits[j] + PRIOR_WEIGHT * prior) / trials[j]
+            prior = float(rates[j])
+        return rates, trials
 
     def _shrunk(self, seqs: list[Sequence], overall: torch.Tensor) -> torch.Tensor:
         """[b, k_max] each row's own recent rate, shrunk towards `overall`."""

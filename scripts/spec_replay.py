@@ -232,8 +232,8 @@ def main() -> None:
 
         parts = {g: [r for r in records if r.group == g] for g in groups} if batch == 1 else {"all": records}
         print(f"\nbatch {batch} ({'each group on its own' if batch == 1 else 'all prompts together'})")
-        header = ["policy", *parts] + (["all"] if batch == 1 else []) + ["K=0 share"]
-        print("  ".join(f"{h:>14}" for h in header))
+        header = ["policy", *parts] + (["all"] if batch == 1 else [])
+        print("  ".join(f"{h:>14}" for h in header) + f"  K=0/.../{args.num_draft_tokens} share of row-rounds")
         base: dict[str, float] = {}
         for name, make in policies(args.num_draft_tokens).items():
             cells, tokens, seconds, chosen = [], 0, 0.0, []
@@ -247,8 +247,9 @@ def main() -> None:
             if batch == 1:
                 base.setdefault("all*", tokens / seconds)
                 cells.append(f"{tokens / seconds:6.2f} {tokens / seconds / base['all*']:5.2f}x")
-            zero = sum(c == 0 for c in chosen) / max(len(chosen), 1)
-            print("  ".join(f"{c:>14}" for c in [name, *cells, f"{zero:.0%}"]))
+            shares = "/".join(f"{sum(c == k for c in chosen) / max(len(chosen), 1):.0%}".rstrip("%")
+                              for k in range(args.num_draft_tokens + 1))
+            print("  ".join(f"{c:>14}" for c in [name, *cells]) + f"  {shares}%")
 
 
 if __name__ == "__main__":

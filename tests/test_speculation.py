@@ -103,6 +103,27 @@ def test_high_acceptance_and_cheap_drafting_verify_k_max():
     assert policy.settle(RoundPlan(K, steer), draft).width == K
 
 
+def test_a_position_never_drafted_is_expected_to_do_as_well_as_the_one_before_it():
+    """A draft position is judged only in rounds that drafted that far. A row that has verified 4
+    drafts and accepted every one expects its 5th to be accepted about as often, not at the prior's
+    0.6, so on costs like a memory-bound CPU's (the verify barely grows with tokens) it drafts the 5th;
+    with a fixed prior the 5th would never be drafted, and never learnt."""
+    vocab = 11
+    policy = AdaptiveSpeculation(K, ScriptedCosts(verify_base=0.26, verify_token=0.0, draft_step=0.06))
+    seqs = rows(1)
+    for _ in range(40):
+        policy.model.record(seqs, torch.tensor([4]), torch.tensor([4]),
+                            torch.full((1, 4), float("nan"), dtype=torch.float64), torch.full((1, 4), SAMPLED))
+    expected = policy.model.expected(seqs)[0]
+    assert expected[4] == pytest.approx(float(expected[3]), abs=1e-9) and expected[4] > 0.95
+    steer = policy.plan(seqs).steer
+    assert steer.proceed(0)
+    tokens = torch.full((1,), 4)
+    for step in range(4):
+        steer.observed(step, peaked(1, vocab, 4, 0.97), tokens, None)
+    assert steer.proceed(4)
+
+
 def test_a_confident_drafter_is_trusted_until_it_is_not():
     """Low drafter confidence at a step stops the round there; the drafts in hand are verified only as
     far as they pay."""
