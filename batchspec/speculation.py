@@ -32,8 +32,9 @@ saves over the tokens the rows have left, not charged to one round. A short lag 
 is caught up in one forward shared by all rows. A long one (a prompt, a long run of plain steps) is
 weighed for the batch before the round (`leave_out`): the lagging rows worth catching up are chosen
 together, since the verify is padded to every row and one more row drafting can be what makes the
-rounds pay for all; a row left out (its cap is 0) decodes plainly. Where speculation gains little (a large batch on a CPU) no catch-up
-pays, the drafter never runs, and plain decoding costs what `ar` does.
+rounds pay for all; a row left out (its cap is 0) decodes plainly. Where speculation gains little
+(a large batch on a CPU) no catch-up pays, the drafter never runs, and plain decoding costs what
+`ar` does.
 
 Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
 greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen;
@@ -372,7 +373,8 @@ class AdaptiveSpeculation(Speculation):
         plain = rows / self.round_time(rows, 0, 0)
 
         def rate(drafting: torch.Tensor) -> float:
-            if self.best_width(steer, 1, top, 0, cumulative=expected * drafting[:, None])[1] <= plain * (1 + OPEN_MARGIN):
+            _, promised = self.best_width(steer, 1, top, 0, cumulative=expected * drafting[:, None])
+            if promised <= plain * (1 + OPEN_MARGIN):
                 return plain  # `open` would not draft for this set: its rounds are plain steps
             return self.best_width(steer, 1, top, 0, cumulative=optimistic * drafting[:, None])[1]
 
@@ -399,9 +401,9 @@ class AdaptiveSpeculation(Speculation):
         are left out; a short one (after plain steps) must save more than CATCH_UP_PAYBACK times
         its cost over the drafting rows' remaining tokens (charged to this round alone, a batch of 8
         that declined one round found the next dearer by the catch-up, and the next dearer still, and
-        never drafted again). When the estimates say no,
-        a one-draft probe of every row runs once the plain steps since the drafter last ran have
-        taken 1 / PROBE_SHARE times what the probe costs beyond a plain step."""
+        never drafted again). When the estimates say no, a one-draft probe of every row runs once the
+        plain steps since the drafter last ran have taken 1 / PROBE_SHARE times what the probe costs
+        beyond a plain step."""
         everyone = steer.caps.clone()
         rows = len(steer.seqs)
         plain = self.round_time(rows, 0, 0)
@@ -411,7 +413,8 @@ class AdaptiveSpeculation(Speculation):
             _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
             remaining = torch.tensor([s.remaining for s in steer.seqs], dtype=torch.float64)[steer.drafting()]
             short = self.catch_up_time(steer, long=False)
-            if go > stop * (1 + OPEN_MARGIN) and self.saving(rows * float(remaining.mean()), stop, go) > CATCH_UP_PAYBACK * short:
+            pays = self.saving(rows * float(remaining.mean()), stop, go) > CATCH_UP_PAYBACK * short
+            if go > stop * (1 + OPEN_MARGIN) and pays:
                 self.idle_s = 0.0
                 return True
         steer.caps = everyone
