@@ -247,6 +247,7 @@ class RoundSteering:
     caps: torch.Tensor  # [b] most drafts each row can use
     alpha: torch.Tensor  # [b, k_max] per-slot acceptance probability (conditional on the slots before)
     backlog: torch.Tensor  # [b] tokens the drafter must be fed (catch up on) before drafting for the row
+    remaining: torch.Tensor  # [b] tokens each row may still commit: what a catch-up pays back over
     probe: bool = False
     steps: int = 0  # drafter steps run so far
     confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
@@ -317,12 +318,13 @@ class AdaptiveSpeculation(Speculation):
         return best
 
     def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
-        caps = torch.tensor([min(self.k_max, s.remaining - 1) for s in seqs], dtype=torch.long).clamp(min=0)
+        remaining = torch.tensor([s.remaining for s in seqs], dtype=torch.long)
+        caps = (remaining - 1).clamp(min=0, max=self.k_max)
         top = int(caps.max())
         if top == 0:
             return RoundPlan(0)
         lags = torch.tensor(backlog if backlog is not None else [0] * len(seqs), dtype=torch.long)
-        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs), lags))
+        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs), lags, remaining))
 
     def catch_up_time(self, steer: RoundSteering, long: bool) -> float:
         """Predicted seconds of catching up the rows that draft this round: their long lags (`long`:
@@ -386,7 +388,7 @@ class AdaptiveSpeculation(Speculation):
         tokens_left = spent = 0.0  # of the rows caught up so far
         for k, b in enumerate(order, start=1):
             drafting[b] = True
-            tokens_left += steer.seqs[b].remaining
+            tokens_left += int(steer.remaining[b])
             spent += cost[b]
             saved = self.saving(rows * tokens_left / k, before, rate(drafting)) - CATCH_UP_PAYBACK * spent
             if saved > best[0]:
@@ -411,12 +413,11 @@ class AdaptiveSpeculation(Speculation):
         if int(steer.caps.max()) > 0:
             _, stop = self.best_width(steer, 0, 0, 0)
             _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
-            remaining = torch.tensor([s.remaining for s in steer.seqs], dtype=torch.float64)[steer.drafting()]
-            short = self.catch_up_time(steer, long=False)
-            pays = self.saving(rows * float(remaining.mean()), stop, go) > CATCH_UP_PAYBACK * short
-            if go > stop * (1 + OPEN_MARGIN) and pays:
-                self.idle_s = 0.0
-                return True
+            if go > stop * (1 + OPEN_MARGIN):
+                tokens = rows * float(steer.remaining[steer.drafting()].double().mean())
+                if self.saving(tokens, stop, go) > CATCH_UP_PAYBACK * self.catch_up_time(steer, long=False):
+                    self.idle_s = 0.0
+                    return True
         steer.caps = everyone
         probe = sum(self.catch_up_time(steer, long) for long in (False, True)) + self.round_time(rows, 1, 1) - plain
         if probe <= PROBE_SHARE * self.idle_s:
