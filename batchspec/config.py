@@ -63,6 +63,17 @@ class ModelConfig:
         "prompt text is tokenized as plain text, so it cannot forge chat turns", action="store_true")
 
 
+def half_precision_refusal(dtype_name: str) -> BatchspecError:
+    """Why a half-precision target is refused: the engine's exactness is batch invariance (a row's
+    logits do not depend on the rows and tokens sharing its forward), and torch's bfloat16 and
+    float16 products round differently with the number of rows (plain decoding at batch 4 already
+    differed from batch 1 on a tiny model), so outputs could differ from plain decoding."""
+    return BatchspecError(
+        f"a {dtype_name} target is not batch-invariant (torch's half-precision products round differently with "
+        "the number of rows a forward feeds), so outputs could differ from plain decoding of each prompt alone: "
+        "load the target in float32 (the drafter may stay in bfloat16: --draft-dtype, it changes acceptance only)")
+
+
 def _require_int(name: str, value: object, optional: bool = False) -> None:
     """Refuse anything but an integer (None too when `optional`). Without this, 2.5 tokens fails
     deep inside torch and a string seed is silently hashed; bool is an int subclass in Python but

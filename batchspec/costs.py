@@ -50,9 +50,10 @@ DRAFT_TOKENS = [1, 2, 16, 128]
 STALE_FACTOR = 1.3
 # How tables are measured: part of the cache key, so a change to `measure` retires tables measured
 # the old way (version 2: shapes recorded as measured, not made monotone; four timed repeats;
-# version 4: multi-token forwards read grouped K/V heads in place, `kv.use_gqa_attention`; version 3
-# named a trial of a 512-token drafter shape, whose tables may still sit in a cache).
-CALIBRATION_VERSION = 4
+# version 4: multi-token forwards read grouped K/V heads in place; version 5: every forward runs the
+# batch-invariant `kv.use_exact_attention`; version 3 named a trial of a 512-token drafter shape,
+# whose tables may still sit in a cache).
+CALIBRATION_VERSION = 5
 
 
 class Costs(Protocol):

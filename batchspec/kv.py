@@ -27,7 +27,6 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
     get_layer_types_and_kwargs,
 )
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .config import BatchspecError
@@ -198,48 +197,127 @@ def check_supported(model: torch.nn.Module) -> None:
 
 
 # ---- attention -------------------------------------------------------------------------------------
-GQA_SDPA = "batchspec_sdpa"
+EXACT_ATTENTION = "batchspec_exact"
+# Shapes under which torch's CPU float32 matmul (MKL sgemm) rounds every output element the same way
+# whatever else shares the product (measured, and checked on the running CPU by tests/test_kv.py):
+# at least 4 rows on the left (1-3 rows take gemv-like kernels that sum in another order), any number
+# of columns, and a fixed inner length (its rounding depends on the total inner length, so P @ V runs
+# in fixed blocks of keys summed in order).
+_MIN_QUERY_ROWS = 8
+_KEY_BLOCK = 128
 
 
-def _sdpa_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-              is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except for a masked query of several tokens per row (a verify, a
-    drafter's two-token step, a catch-up, a prefill under an explicit mask) over grouped K/V heads on
-    CPU: transformers then copies every K/V head once per query head it serves (`repeat_kv`: in a
-    Qwen2.5 1.5B 4-row verify of 2 tokens at ~800 tokens of context, 35 ms of copies and 47 ms of
-    attention over the copies, a forward of 270 ms against 177 ms for 1 token), where torch's CPU
-    kernel reads the shared heads in place (`enable_gqa`). Same kernel, same blocking: the output is
-    bit-identical (tested), so engines and the oracle agree whichever path a forward takes. Elsewhere
-    transformers' own path runs: one query token (it folds the heads itself), no mask, a position
-    bias, and CUDA (where a mask with `enable_gqa` falls back to the slow math kernel)."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    if (groups > 1 and query.shape[2] > 1 and attention_mask is not None and query.device.type == "cpu"
-            and kwargs.get("position_bias") is None):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+class _KeyPlan:
+    """Which slots each row's queries read, compacted: slot order[b, j] becomes key j of row b, the
+    row's visible slots first in slot order, so key j is the row's j-th token as in plain decoding's
+    cache. None when every row's visible slots already are [0, count) (ragged rows, plain decoding)."""
+
+    def __init__(self, visible: torch.Tensor) -> None:
+        seen = visible.any(dim=1)  # [b, l] slots some query of the row attends to
+        count = seen.sum(dim=-1)
+        self.width = max(int(count.max()), 1)
+        prefix = torch.arange(seen.shape[-1], device=seen.device)[None] < count[:, None]
+        self.order = None if bool(torch.equal(seen, prefix)) else torch.argsort(
+            (~seen).to(torch.int8), dim=-1, stable=True)[:, : self.width]
 
 
-AttentionInterface.register(GQA_SDPA, _sdpa_gqa)
-AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)  # masks exactly as "sdpa" builds them
+_plan_memo: dict[str, Any] = {"mask": None, "plan": None}
 
 
-def use_gqa_attention(model: torch.nn.Module) -> None:
-    """Run `model`'s SDPA attention through `_sdpa_gqa` when it has grouped K/V heads. Models whose
-    own code tests for the name "sdpa" (Falcon's hand-written attention, say) keep it."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
-    if not any(getattr(m, "num_key_value_groups", 1) > 1 for m in model.modules()):
-        return
+def _key_plan(attention_mask: torch.Tensor, visible: torch.Tensor) -> _KeyPlan:
+    """Every layer of a forward gets the same mask object: plan once per forward, not per layer."""
+    if _plan_memo["mask"] is not attention_mask:
+        _plan_memo.update(mask=attention_mask, plan=_KeyPlan(visible))
+    return _plan_memo["plan"]
+
+
+def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Softmax attention whose result for a query depends only on that query and the keys it sees,
+    not on which rows, queries or masked slots share the forward: a one-token step, a K+1-token
+    verify, a catch-up, a chunked or padded prefill and plain decoding's own forwards give a row the
+    same bits (torch's fused SDPA kernel blocks queries and keys by the shapes it is given, so they
+    round differently). Every row's visible keys are compacted to the front (`_KeyPlan`), key j
+    being the row's j-th token wherever its slot was; scores come from one matmul with at least
+    _MIN_QUERY_ROWS rows, the softmax runs along zero-padded rows aligned at key 0 (its vector sums
+    add padding's zeros lane by lane, which changes nothing), and P @ V runs in _KEY_BLOCK-key blocks
+    added in order. Grouped K/V heads are read in place (query heads folded onto their K/V head).
+
+    query [b, hq, m, d]; key, value [b, hkv, l, d]; attention_mask [b, 1, m, l] bool (True: attend)
+    or None (causal: query i sees keys [0, l - m + i]). Returns [b, m, hq, d] as transformers wants."""
+    b, hq, m, d = query.shape
+    hkv, l = key.shape[1], key.shape[2]
+    g = hq // hkv
+    if attention_mask is None:  # plain decoding's cache: every row's keys are its tokens, from slot 0
+        width, order = l, None
+        positions = torch.arange(l, device=query.device)
+        visible = (positions[None] <= positions[l - m :, None])[None].expand(b, m, l)
+    else:
+        visible = attention_mask[:, 0].expand(b, m, l)
+        plan = _key_plan(attention_mask, visible)
+        width, order = plan.width, plan.order
+    if order is not None:
+        index = order[:, None, :, None].expand(b, hkv, width, d)
+        key, value = key.gather(2, index), value.gather(2, index)
+        visible = visible.gather(2, order[:, None, :].expand(b, m, width))
+    else:
+        key, value, visible = key[:, :, :width], value[:, :, :width], visible[..., :width]
+    padded = -(-width // _KEY_BLOCK) * _KEY_BLOCK
+    rows = max(g * m, _MIN_QUERY_ROWS)
+    key = torch.nn.functional.pad(key, (0, 0, 0, padded - width))  # [b, hkv, L, d], zeros: 0 * 0 in P @ V
+    value = torch.nn.functional.pad(value, (0, 0, 0, padded - width))
+    q = torch.nn.functional.pad(query.reshape(b, hkv, g * m, d), (0, 0, 0, rows - g * m))  # [b, hkv, R, d]
+    sees = visible[:, None, None].expand(b, 1, g, m, width).reshape(b, 1, g * m, width)
+    sees = torch.nn.functional.pad(sees, (0, padded - width, 0, rows - g * m), value=False)
+    sees[..., 0] |= ~sees.any(dim=-1)  # a query that sees nothing (padding) reads key 0, not NaN
+    scale = scaling if scaling is not None else d ** -0.5
+    scores = (q @ key.transpose(-1, -2)) * scale  # [b, hkv, R, L]
+    probs = torch.softmax(scores.masked_fill_(~sees, float("-inf")), dim=-1)
+    blocks = padded // _KEY_BLOCK
+    parts = probs.view(b, hkv, rows, blocks, _KEY_BLOCK).transpose(2, 3).contiguous() @ value.view(
+        b, hkv, blocks, _KEY_BLOCK, d)  # [b, hkv, blocks, R, d]
+    out = parts[:, :, 0]
+    for block in range(1, blocks):
+        out = out + parts[:, :, block]
+    out = out[:, :, : g * m].reshape(b, hkv, g, m, d).reshape(b, hq, m, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(EXACT_ATTENTION, _exact_attention)
+AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)  # boolean masks, as "sdpa" builds them
+
+
+def use_exact_attention(model: torch.nn.Module) -> bool:
+    """Run `model`'s attention through `_exact_attention` (idempotent); False when the model keeps its
+    own, not batch-invariant: code that branches on the name of its attention (Falcon's hand-written
+    SDPA call, GPT-2's upcast eager attention), or logit soft-capping and attention sinks, which the exact path does not compute."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == EXACT_ATTENTION:
+        return True
+    if model.__dict__.get("_batchspec_keeps_attention"):  # checked before (reading its source is slow)
+        return False
+    model.__dict__["_batchspec_keeps_attention"] = True
+    config = model.config.get_text_config()
+    if impl not in ("sdpa", "eager") or getattr(config, "attn_logit_softcapping", None):
+        return False
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return False
     try:
         source = inspect.getsource(sys.modules[type(model).__module__])
     except (KeyError, OSError, TypeError):  # code without a source file to read: keep what it has
-        return
-    if '_attn_implementation == "sdpa"' not in source:
-        model.set_attn_implementation(GQA_SDPA)
+        return False
+    if f'_attn_implementation == "{impl}"' in source:  # its code does something of its own under that name
+        return False
+    model.set_attn_implementation(EXACT_ATTENTION)
+    del model.__dict__["_batchspec_keeps_attention"]
+    return True
+
+
+def attention_path(model: torch.nn.Module) -> str:
+    """What the summary reports: "exact" (batch-invariant, `_exact_attention`) or the model's own."""
+    impl = getattr(model.config, "_attn_implementation", None) or "none"
+    return "exact" if impl == EXACT_ATTENTION else f"{impl} (not batch-invariant)"
 
 
 def _mask_for(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
@@ -290,6 +368,7 @@ def forward_plain(model: torch.nn.Module, input_ids: torch.Tensor, cache: Dynami
     Position ids run on from the cache's length, as `generate` passes them: without them some models
     (Bamba) restart positions at 0 in every cached forward. Caches without attention layers have no
     length (nor any use for positions)."""
+    use_exact_attention(model)
     extra: dict[str, torch.Tensor] = {}
     if any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
         start = cache.get_seq_length()
@@ -315,6 +394,7 @@ def forward_all_positions(model: torch.nn.Module, token_ids: list[int], keep: in
     Teacher forcing: row i predicts token_ids[len - keep + i + 1] from everything before it, so
     checking a whole continuation costs one forward instead of one decoding step per token.
     """
+    use_exact_attention(model)
     if not 1 <= keep <= len(token_ids):
         raise ValueError(f"keep must be in [1, {len(token_ids)}], got {keep}")
     device = next(model.parameters()).device
@@ -327,6 +407,7 @@ def forward_all_positions(model: torch.nn.Module, token_ids: list[int], keep: in
 def forward_left_padded(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last-position logits [b, vocab] (float32) of one left-padded batch, without a cache, the way
     transformers' `generate` batches: positions count real tokens only, pads are masked out."""
+    use_exact_attention(model)
     positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, logits_to_keep=1

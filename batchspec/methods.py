@@ -115,6 +115,13 @@ def build_engine(
     recurrent state), and the per-round invariant checker injected when `spec.check_invariants` asks
     for it (the engine itself knows nothing of forensics). `costs`: the cost model adaptive
     speculation decides on (None: measured when first needed)."""
+    import torch
+
+    from .config import half_precision_refusal
+
+    dtype = next(target.parameters()).dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        raise half_precision_refusal(str(dtype).removeprefix("torch."))
     method = METHODS[spec.method]
     checker = None
     if spec.check_invariants:

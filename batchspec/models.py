@@ -23,9 +23,9 @@ from transformers import (
 )
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
-from .config import NGRAM, BatchspecError, ModelConfig
+from .config import NGRAM, BatchspecError, ModelConfig, half_precision_refusal
 from .kernels import apply_linear_kernel, native_bfloat16
-from .kv import use_gqa_attention
+from .kv import use_exact_attention
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -95,10 +95,9 @@ def load_model(
     ``linear_kernel`` (`batchspec.kernels`: packed oneDNN weights on CPU unless "torch").
 
     ``source`` None means the bundled model for ``role`` ("target" or "draft"). Attention is
-    transformers' default, SDPA wherever the architecture has it (forcing "sdpa" would refuse
-    attention-free models such as Mamba2), with grouped K/V heads read in place
-    (`kv.use_gqa_attention`, bit-identical); engines and the oracle share the loaded model, so they
-    always see the same attention kernel.
+    batchspec's batch-invariant path (`kv.use_exact_attention`) wherever transformers' SDPA or eager
+    attention would run; engines and the oracle share the loaded model, so they always see the same
+    attention bits.
     """
     torch_dtype = parse_dtype(dtype)
     try:
@@ -121,7 +120,7 @@ def load_model(
         raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
     apply_linear_kernel(model, linear_kernel)
-    use_gqa_attention(model)
+    use_exact_attention(model)
     if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not computes_bfloat16(torch_device):
         warnings.warn(
             f"{label} in bfloat16: this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bfloat16, so "
@@ -166,7 +165,8 @@ def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
     """Load the target and (if ``need_draft``) the drafter of ``config``, and check that they can
     be paired. Both dtypes are validated before any (slow) loading starts. Draft ``ngram`` is prompt
     lookup: no drafter model to load."""
-    parse_dtype(config.dtype)
+    if parse_dtype(config.dtype) in (torch.bfloat16, torch.float16):
+        raise half_precision_refusal(config.dtype)
     drafter_dtype = draft_dtype(config)
     need_draft = need_draft and config.draft != NGRAM
     if need_draft:

@@ -1,7 +1,9 @@
 """The oracle: plain autoregressive decoding of one prompt alone (batch 1, no speculation).
 
-Deliberately independent of the engine: it uses transformers' own DynamicCache, default positions
-and default causal masks, so a bug in our layouts cannot hide by being repeated here.
+Deliberately independent of the engine's bookkeeping: it uses transformers' own DynamicCache,
+default positions and default causal masks, so a bug in our layouts cannot hide by being repeated
+here. What it shares is the arithmetic: the same weights and the same batch-invariant attention
+(`kv.use_exact_attention`), so a row's logits in any engine equal these bit for bit.
 """
 
 from __future__ import annotations

@@ -93,6 +93,9 @@ class PoolScheduler(Scheduler):
             group = sorted(range(len(running)), key=waited)[:want]
         for r in group:
             self.last_run[running[r].index] = round_index
+        # Only the window's rows are remembered: a long-running server would otherwise keep one entry
+        # per request it ever served.
+        self.last_run = {s.index: self.last_run[s.index] for s in running if s.index in self.last_run}
         return group
 
     def counters(self) -> dict[str, float]:

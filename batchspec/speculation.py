@@ -37,9 +37,10 @@ rounds pay for all; a row left out (its cap is 0) decodes plainly. Where specula
 `ar` does.
 
 Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
-greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen;
-for rejection-sampled rows the confidence is sum(q^2), known before a draft is drawn, so the rule
-stays distribution-preserving.
+greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen.
+For rejection-sampled rows, whether draft j is verified must not depend on draft j itself: their
+confidence is sum(q^2), known before a draft is drawn, and their width is chosen slot by slot from
+what was known before each draw (`blind_width`), so the rule stays distribution-preserving.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import torch
 
 from .costs import Costs
 from .drafters import SHARED_CATCH_UP, Draft
-from .sampling import draft_confidence
+from .sampling import REJECTION, draft_confidence, rule
 from .sequence import Sequence
 
 BINS = 10  # confidence bins; one more for drafts without a confidence (n-gram proposals)
@@ -252,8 +253,10 @@ class RoundSteering:
     steps: int = 0  # drafter steps run so far
     confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
     source: torch.Tensor = field(init=False)  # [b, k_max]
+    predicted: torch.Tensor = field(init=False)  # [b, k_max] `alpha` as planned, before any draft
 
     def __post_init__(self) -> None:
+        self.predicted = self.alpha.clone()
         self.confidence = torch.full(self.alpha.shape, float("nan"), dtype=torch.float64)
         self.source = torch.full(self.alpha.shape, SAMPLED, dtype=torch.long)
 
@@ -439,11 +442,40 @@ class AdaptiveSpeculation(Speculation):
             source = deterministic[:, step].long().cpu()
             steer.source[:, step] = source
             steer.alpha[:, step] = self.model.calibrate(steer.seqs, step, steer.confidence[:, step], source)
+        planned = steer.caps  # before the drafts: how far each row could go
         steer.caps = torch.minimum(steer.caps, draft.row_lengths().cpu())
         chosen, _ = self.best_width(steer, 0, width, steer.steps)
+        sampled = torch.tensor([rule(s.params) == REJECTION for s in steer.seqs])
+        caps = torch.full_like(steer.caps, chosen)
+        if bool(sampled.any()):
+            caps = torch.where(sampled, self.blind_width(steer, planned, width), caps)
         if steer.probe and width:
-            chosen = max(chosen, 1)
-        return draft.capped(torch.minimum(steer.caps, torch.tensor(chosen)).to(draft.tokens.device))
+            caps = caps.clamp(min=1)
+        return draft.capped(torch.minimum(steer.caps, caps).to(draft.tokens.device))
+
+    def blind_width(self, steer: RoundSteering, planned: torch.Tensor, drafted: int) -> int:
+        """The width for rejection-sampled rows: slot j is verified only if, on what was known before
+        draft j was drawn, verifying it (and the best of the slots after it) promised a better rate
+        than stopping before it, slot by slot up to the `drafted` slots, stopping at the first that
+        does not. Known before draft j: the calibrated acceptance of slots <= j (their confidence
+        sum(q^2) precedes each draw), the pre-round prediction beyond, the rows' `planned` caps and
+        the j + 1 drafter steps run; not how many were drafted after it, nor anything else later,
+        since slot j + 1's confidence is computed after d_j was drawn. Choosing over every drafted
+        slot at once (as greedy and seeded rows may) lets d_j's own value decide whether d_j is
+        verified: where the rate is not unimodal in the width (a cheap 1-token step, 2-6 tokens
+        about as dear, as the measured CPU tables are) that biases the emitted tokens
+        (`tests/test_speculation.py`)."""
+        top = int(planned.max())
+        alive = torch.arange(top)[None, :] < planned[:, None]
+        for slot in range(min(drafted, top)):
+            alpha = steer.predicted.clone()
+            alpha[:, : slot + 1] = steer.alpha[:, : slot + 1]
+            cumulative = torch.cumprod(alpha[:, :top], dim=1) * alive
+            _, stop = self.best_width(steer, 0, slot, slot + 1, cumulative=cumulative)
+            _, go = self.best_width(steer, slot + 1, top, slot + 1, cumulative=cumulative)
+            if go <= stop:
+                return slot
+        return drafted
 
     def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
                 times: tuple[float, float, float]) -> None:

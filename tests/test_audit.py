@@ -96,25 +96,25 @@ def test_a_real_tie_is_an_fp_tie_and_a_tie_that_diverges_again_is_a_sync_error()
     assert 0 < report["calibration"]["margin"] < 1e-2
 
 
-# ---- our methods pass, the deliberately wrong ones are caught, in fp32 and bf16 ------------------
+# ---- our methods pass, the deliberately wrong ones are caught ---------------------------------------
+# (in float32: engines refuse half-precision targets, which are not batch-invariant)
 
 
 @pytest.fixture(scope="module")
 def audit_setup(tiny_pair_dirs) -> dict[torch.dtype, tuple[ModelPair, Auditor]]:
     """The tiny pair in each dtype, with one auditor each (its oracle is decoded once per dtype)."""
     setups = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32,):
         models = load_pair(ModelConfig(str(tiny_pair_dirs[0]), str(tiny_pair_dirs[1]), dtype=str(dtype).split(".")[1]))
         setups[dtype] = (models, Auditor(models.target, models.tokenizer, MAX_NEW))
     return setups
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
 @pytest.mark.parametrize("method", ["ragged", "eqspec", "naive-kv", "naive-positions", "naive-bonus"])
 def test_audit_passes_our_methods_and_calls_every_naive_divergence_a_sync_error(audit_setup, dtype, method) -> None:
-    """In bf16 the margin is wide (~0.3 logits here) and naive-bonus's first divergences (the
-    drafter's token where the target nearly agreed) often fall inside it; the continuation check
-    must still call them sync errors, while our methods' real bf16 ties stay ties."""
+    """naive-bonus's first divergences (the drafter's token where the target nearly agreed) may fall
+    inside the tie margin; the continuation check must still call them sync errors."""
     models, auditor = audit_setup[dtype]
     prompts = [encode_prompt(models.tokenizer, text) for text in word_prompts(12)]
     llm = LLM(spec=SpecConfig(method=method, num_draft_tokens=4, batch_size=4), models=models)

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from batchspec import bundled
 from batchspec.bundled import BUNDLED, BundledModel, bundled_installed, cache_dir, converted_dir, join_chunks
 from batchspec.config import BatchspecError, ModelConfig
-from batchspec.kv import GQA_SDPA
+from batchspec.kv import EXACT_ATTENTION, use_exact_attention
 from batchspec.kv import context_limit
 from batchspec.models import (
     check_compatible,
@@ -271,6 +271,7 @@ def test_real_conversion_from_gguf_chunks(chunk_root: Path, tmp_path: Path) -> N
     folder = converted_dir(spec, root=tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-qwen2-hf"]
     converted, tok = load_model(str(folder), linear_kernel="torch")  # bit-exact weights, so bit-exact logits
+    use_exact_attention(model)  # ... on the same attention as the loaded model's
     ids = torch.tensor([[0, 5, 9, 17, 40]])
     with torch.no_grad():
         torch.testing.assert_close(converted(ids).logits, model(ids).logits, rtol=0, atol=0)
@@ -283,7 +284,7 @@ def test_load_gguf_file(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf", model)
     loaded, tok = load_model(str(tmp_path / "tiny.gguf"), dtype="bf16")
     assert loaded.dtype == torch.bfloat16 and not loaded.training
-    assert loaded.config._attn_implementation == GQA_SDPA  # grouped K/V heads: read in place
+    assert loaded.config._attn_implementation == EXACT_ATTENTION
     assert tok.eos_token_id == 1 and encode_prompt(tok, "abc", chat_template=False) == [95, 68]
 
 
@@ -369,11 +370,13 @@ def test_roundtrip_matches_in_memory_model(saved_llama: Path) -> None:
     plain, _ = load_model(str(saved_llama), linear_kernel="torch")
     ids = torch.tensor([[0, 5, 9, 17, 33]])
     with torch.no_grad():
-        reference = tiny_model("llama", seed=3)(ids).logits
+        in_memory = tiny_model("llama", seed=3)
+        use_exact_attention(in_memory)  # the loaded model's attention
+        reference = in_memory(ids).logits
         torch.testing.assert_close(plain(ids).logits, reference, rtol=0, atol=0)
         torch.testing.assert_close(model(ids).logits, reference)
     assert not model.training
-    assert model.config._attn_implementation == GQA_SDPA
+    assert model.config._attn_implementation == EXACT_ATTENTION
     assert tok.eos_token_id == 1
     half, _ = load_model(str(saved_llama), dtype="bf16")
     assert half.dtype == torch.bfloat16

@@ -56,6 +56,16 @@ def test_pool_prefers_a_same_length_group_then_the_least_recently_run():
     assert policy.counters() == {"grouped_rounds": 1, "fallback_rounds": 1}
 
 
+def test_pool_remembers_only_the_rows_in_its_window():
+    """A long-running server passes thousands of requests through the window: what the scheduler
+    remembers of them stays bounded by the window."""
+    policy = PoolScheduler(SpecConfig(method="exspec", batch_size=2, window_size=4))
+    everyone = seqs([3] * 400)
+    for start in range(0, 400, 4):
+        policy.select(everyone[start : start + 4], round_index=start)
+        assert set(policy.last_run) <= {s.index for s in everyone[start : start + 4]}
+
+
 def test_exspec_groups_same_length_rows_and_refills_the_window():
     """Equal-length prompts form same-length groups (no padding at all); the window refills as
     rows finish, and every prompt is answered exactly."""

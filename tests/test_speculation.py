@@ -9,7 +9,7 @@ import pytest
 import torch
 from tinyworld import ScriptedCosts
 
-from batchspec import sampling
+from batchspec import acceptance, sampling
 from batchspec.config import SamplingParams
 from batchspec.costs import break_even
 from batchspec.drafters import SHARED_CATCH_UP, Draft
@@ -366,3 +366,93 @@ def test_a_catch_up_is_weighed_against_what_the_batch_does_without_it():
     assert steer.proceed(0) and steer.drafting().all()
     steer = policy.plan(seqs, [0] * 7 + [20000]).steer  # ten times the backlog: not worth it, all plain
     assert not steer.proceed(0)
+
+
+# ---- unseeded sampling: the width must not depend on the drafts it decides about -------------------
+class StepShapedCosts(ScriptedCosts):
+    """The shape of the measured CPU tables: a 1-token step is cheap, verifies of 2 to 7 tokens cost
+    about the same, so the expected rate is not unimodal in the width."""
+
+    def verify_time(self, rows: int, tokens: int) -> float:
+        return 1.0 if tokens == 1 else 2.0
+
+    def draft_time(self, rows: int, tokens: int) -> float:
+        return 0.05
+
+
+TARGET_P = torch.tensor([0.10, 0.30, 0.30, 0.30])  # the target's next-token distribution, everywhere
+
+
+def _drafter_q(drafts: list[int]) -> torch.Tensor:
+    """The drafter's distribution after `drafts`: after drafting token 0 or 1 it is sure of the next
+    one (high sum(q^2)), after 2 or 3 it is not, so the confidence of slot j + 1 depends on draft j."""
+    if not drafts:
+        return torch.tensor([0.05, 0.72, 0.115, 0.115])
+    return torch.tensor([0.94, 0.02, 0.02, 0.02]) if drafts[-1] in (0, 1) else torch.full((4,), 0.25)
+
+
+def sampled_pairs(rounds: int, seed: int, old_rule: bool = False) -> tuple[list[tuple[int, int]], list[int]]:
+    """The first two tokens emitted by `rounds` independent rounds of one unseeded row under the adaptive
+    policy (plan -> steered drafting -> settle -> rejection sampling), and each round's width. The
+    second token, when the round emitted only one, is drawn from the target directly. `old_rule`: the
+    width chosen over every drafted slot at once, as before the fix."""
+    gen = torch.Generator().manual_seed(seed)
+    policy = AdaptiveSpeculation(K, StepShapedCosts())
+    if old_rule:
+        policy.blind_width = lambda steer, planned, width: policy.best_width(steer, 0, width, steer.steps)[0]
+    seqs = rows(1, budget=50, params=SamplingParams(max_new_tokens=50, temperature=1.0))
+    pairs, widths = [], []
+    for _ in range(rounds):
+        plan = policy.plan(seqs, [0])
+        steer = plan.steer
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        while steer is not None and len(tokens) < plan.steps and steer.proceed(len(tokens)):
+            q = _drafter_q(tokens)
+            token = int(torch.multinomial(q, 1, generator=gen))
+            steer.observed(len(tokens), q.log()[None], torch.tensor([token]), None)
+            tokens.append(token)
+            qs.append(q)
+        width = 0
+        emitted: list[int] = []
+        if tokens:
+            draft = policy.settle(plan, Draft(torch.tensor([tokens]), torch.stack(qs).log()[None]))
+            width = draft.width
+        if width:
+            p = TARGET_P.expand(1, width + 1, 4)
+            uniform = torch.rand((1, width), generator=gen)
+            noise = sampling.gumbel(torch.rand((1, 4), generator=gen))
+            out, count = acceptance.rejection(draft.tokens, p, torch.stack(qs[:width])[None], uniform, noise)
+            emitted = out[0, : int(count)].tolist()
+        while len(emitted) < 2:
+            emitted.append(int(torch.multinomial(TARGET_P, 1, generator=gen)))
+        pairs.append((emitted[0], emitted[1]))
+        widths.append(width)
+    return pairs, widths
+
+
+def _p_values(pairs: list[tuple[int, int]]) -> list[float]:
+    """Chi-square goodness of fit against the target, for position 0, position 1 and the joint pair."""
+    from scipy import stats
+
+    n = len(pairs)
+    p = TARGET_P.double() / TARGET_P.double().sum()
+    out = []
+    for position in (0, 1):
+        counts = torch.bincount(torch.tensor([p[position] for p in pairs]), minlength=4).double()
+        out.append(float(stats.chisquare(counts.numpy(), (p * n).numpy()).pvalue))
+    joint = torch.bincount(torch.tensor([4 * a + b for a, b in pairs]), minlength=16).double()
+    out.append(float(stats.chisquare(joint.numpy(), (torch.outer(p, p).flatten() * n).numpy()).pvalue))
+    return out
+
+
+def test_unseeded_rows_keep_the_targets_distribution_on_a_step_shaped_cost_table():
+    """Whether a rejection row's draft j is verified is decided before draft j is drawn: the emitted
+    tokens follow the target, per position and jointly, while drafts still get verified. The same
+    harness with the width chosen over every drafted slot at once (slot j + 1's confidence, computed
+    after d_j was drawn, deciding whether d_j is verified) fails it."""
+    pairs, widths = sampled_pairs(3000, seed=2)
+    assert min(_p_values(pairs)) > 0.01 / 3
+    assert sum(w > 0 for w in widths) > 300  # the policy did speculate
+    old_pairs, _ = sampled_pairs(3000, seed=2, old_rule=True)
+    assert min(_p_values(old_pairs)) < 1e-6

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv import SlotStore, context_limit, forward_slots, num_layers, use_gqa_attention
+from ..kv import SlotStore, context_limit, forward_slots, num_layers, use_exact_attention
 
 FILLER_TOKEN = 0  # fed in pad positions; masked out, so its value never matters (no pad token needed)
 
@@ -29,7 +29,7 @@ class Layout(ABC):
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, capacity: int) -> None:
-        use_gqa_attention(model)  # its explicit masks would otherwise cost K/V copies per query head
+        use_exact_attention(model)  # the same attention bits as plain decoding's (`batchspec.reference`)
         self.model = model
         self.device = next(model.parameters()).device
         self.store = SlotStore(num_layers(model), max_rows, capacity)
