@@ -49,8 +49,8 @@ class ModelConfig:
     quantization: the target's linears as weight-only int8 or int4 (`kernels.apply_quantization`); plain
     decoding, `--verify` and the oracle run the same quantized model, so exact means token-identical to
     plain decoding of the model as loaded. draft_quantization None: "auto" under draft_dtype "auto",
-    else the target's; "auto": int4 where its kernel runs (`models.draft_quantization`). Like the
-    drafter's dtype it changes acceptance, never the output.
+    else the target's; "auto": int4 where its kernel runs and bfloat16 is not native, where it measured
+    faster (`models.draft_quantization`). Like the drafter's dtype it changes acceptance, never the output.
     """
 
     target: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")
@@ -69,8 +69,9 @@ class ModelConfig:
         "--quantization-group-size; the output layer int8); CPU kernels of torch on bfloat16 activations; plain "
         "decoding and --verify run the same quantized model", choices=list(QUANTIZATIONS))
     draft_quantization: str | None = option(
-        None, "drafter weights: none | int8 | int4 | auto = int4 where the CPU runs its kernel (default: auto "
-        "with --draft-dtype auto, else --quantization); changes acceptance, never the output",
+        None, "drafter weights: none | int8 | int4 | auto = int4 where the CPU runs its kernel and has no native "
+        "bfloat16, else --quantization (default: auto with --draft-dtype auto, else --quantization); changes "
+        "acceptance, never the output",
         choices=list(DRAFT_QUANTIZATIONS))
     quantization_group_size: int = option(32, "int4: inputs per scale and zero (32 or 128)", type=int,
                                           choices=list(GROUP_SIZES))

@@ -24,7 +24,15 @@ from transformers import (
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
 from .config import NGRAM, BatchspecError, ModelConfig
-from .kernels import INT4, apply_linear_kernel, apply_quantization, native_bfloat16, quantization_kernel_reason
+from .kernels import (
+    INT4,
+    apply_linear_kernel,
+    apply_quantization,
+    native_bfloat16,
+    quantization_kernel_reason,
+    weight_bytes,
+    weights_summary,
+)
 from .kv import use_gqa_attention
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -167,9 +175,12 @@ def draft_dtype(config: ModelConfig) -> str:
 
 def draft_quantization(config: ModelConfig) -> str:
     """The drafter's quantization: as given; unset, "auto" under draft dtype "auto" and the target's
-    otherwise; "auto" is int4 where torch's int4 kernel runs on the device (on the AVX-512 EPYC, the
-    0.5B drafter's 896-wide linears in int4 took 0.3-0.5x the time of float32 packed ones at 1-8
-    rows, docs/quantization.md), else the target's. Never changes the output, only acceptance."""
+    otherwise. "auto" is int4 where torch's int4 kernel runs and the device has no native bfloat16,
+    else the target's. Measured on an AVX-512 EPYC with native bfloat16 (docs/quantization.md, the
+    0.5B drafter's whole forward): int4 46 ms against bfloat16's 70 ms for one row and token, but
+    69 vs 63 ms for four rows and 961 vs 336 ms for a 64-token catch-up, so there the bfloat16
+    drafter stays; without native bfloat16 the drafter is float32, which int4 beats at 1-8 rows.
+    Never changes the output, only acceptance and speed."""
     chosen = config.draft_quantization
     if chosen is None:
         auto_dtype = config.draft_dtype is not None and config.draft_dtype.lower() == "auto"
@@ -180,7 +191,9 @@ def draft_quantization(config: ModelConfig) -> str:
         device = torch.device(config.device)
     except (RuntimeError, TypeError):
         return config.quantization  # load_model refuses the device with one clear line
-    return INT4 if quantization_kernel_reason(INT4, device) is None else config.quantization
+    if quantization_kernel_reason(INT4, device) is not None or computes_bfloat16(device):
+        return config.quantization
+    return INT4
 
 
 def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
@@ -206,6 +219,21 @@ def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
         names = f"target {config.target or 'bundled'} and draft {config.draft or 'bundled'}"
         raise BatchspecError(f"{names} cannot be paired: {exc}") from exc
     return ModelPair(target=target_model, draft=draft_model, tokenizer=target_tok)
+
+
+def weights_report(config: ModelConfig, pair: ModelPair | None = None) -> dict[str, str]:
+    """Which weights and kernels each model runs, for every run's summary: the loaded models' linears
+    by kernel and their bytes when they are here, else (models on Ray workers) what the config asks.
+    Outputs are exact against plain decoding of the target as listed here."""
+    if pair is None:
+        return {"target": f"{config.dtype}, quantization {config.quantization}",
+                "draft": f"{draft_dtype(config)}, quantization {draft_quantization(config)}"}
+    report = {}
+    for role, model in (("target", pair.target), ("draft", pair.draft)):
+        if model is not None:
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            report[role] = f"{dtype}: {weights_summary(model)}; {weight_bytes(model) / 2**30:.2f} GiB"
+    return report
 
 
 def output_vocab_size(model: PreTrainedModel) -> int:

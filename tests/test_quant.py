@@ -252,14 +252,22 @@ def test_speculation_on_quantized_models_equals_plain_decoding_of_the_quantized_
     assert sum(seq.accepted for seq in outputs) > 0  # drafts were verified and some kept
 
 
-def test_loading_a_quantized_pair_and_the_drafters_default(tmp_path):
+def test_loading_a_quantized_pair_and_the_drafters_default(tmp_path, monkeypatch):
     target_dir, draft_dir = save_pair(tmp_path)
-    pair = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int8", draft_dtype="auto"))
+    pair = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int8", draft_quantization="int4"))
     assert weights_summary(pair.target).startswith("int8 x")
-    assert weights_summary(pair.draft).startswith("int4-g32 x")  # auto: int4 where its kernel runs
+    assert weights_summary(pair.draft).startswith("int4-g32 x")
     plain = load_pair(ModelConfig(str(target_dir), str(draft_dir)))
     assert weights_summary(plain.target) == weights_summary(plain.draft) == "packed-float32 x15"
     assert fingerprint(plain.target) != fingerprint(pair.target)  # cost tables are cached per weight format
     assert draft_quantization(ModelConfig(quantization="int8")) == "int8"  # unset: the target's
     assert draft_quantization(ModelConfig(quantization="int8", draft_quantization="none")) == "none"
     assert draft_quantization(ModelConfig(draft_quantization="auto", device="cuda")) == "none"
+    auto = ModelConfig(draft_dtype="auto")  # int4 where the kernel runs and bfloat16 is not native
+    monkeypatch.setattr("batchspec.models.computes_bfloat16", lambda device: False)
+    assert draft_quantization(auto) == "int4"
+    monkeypatch.setattr("batchspec.models.computes_bfloat16", lambda device: True)
+    assert draft_quantization(auto) == "none"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr("batchspec.models.computes_bfloat16", lambda device: False)
+    assert draft_quantization(auto) == "none"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from ..forensics.oracle import Oracle
 from ..kernels import linear_kernel
 from ..kv import context_limit
 from ..methods import METHODS
-from ..models import ModelPair, draft_dtype, eos_token_ids
+from ..models import ModelPair, draft_dtype, eos_token_ids, weights_report
 from .common import (
     add_config_arguments,
     add_model_arguments,
@@ -116,6 +118,13 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
     return chosen, info
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (loading float32 weights before quantizing them
+    counts: it is what the machine must have)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
@@ -175,7 +184,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"prompts: {prompt_info['file']}{f' ({groups})' if groups else ''}; "
           f"mean {prompt_info['prompt_tokens']['mean']} tokens; "
           f"{'one run per task group' if by_group else 'all prompts in one run'}{repeats}")
-    print(f"torch {machine['torch']}, transformers {machine['transformers']}\n")
+    print(f"torch {machine['torch']}, transformers {machine['transformers']}")
+    weights = weights_report(model_config(args), models)
+    print(f"weights: {'; '.join(f'{role} {text}' for role, text in weights.items())}; peak RSS "
+          f"{peak_rss_bytes() / 2**30:.2f} GiB (outputs are exact against plain decoding of this target)\n")
     print(render_tables(entries))
     if paired:
         print(f"\n{render_paired(paired)}")
@@ -187,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             "settings": {
                 "target": args.target or "bundled", "draft": args.draft or "bundled",
                 "linear_kernel": linear_kernel(models.target),
+                "weights": weights, "peak_rss_bytes": peak_rss_bytes(),
                 "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
                 "speculation_default": {n: m.default_speculation for n, m in METHODS.items() if m.speculative},
                 "methods": [s.name for s in specs], "suite": args.suite,
