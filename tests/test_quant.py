@@ -4,6 +4,7 @@ same quantized model."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import pytest
@@ -12,6 +13,7 @@ from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts,
 
 from batchspec import kernels
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
+from batchspec.cli import build_parser
 from batchspec.costs import fingerprint
 from batchspec.forensics.oracle import model_identity
 from batchspec.kernels import (
@@ -271,3 +273,16 @@ def test_loading_a_quantized_pair_and_the_drafters_default(tmp_path, monkeypatch
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     monkeypatch.setattr("batchspec.models.computes_bfloat16", lambda device: False)
     assert draft_quantization(auto) == "none"
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve", "audit"])
+def test_every_model_loading_command_takes_the_quantization_options(command):
+    """The options come from ModelConfig's fields, so each command that loads models has them, with
+    ModelConfig's choices (the drafter's only where the command loads one)."""
+    parser = build_parser([command])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = {flag: action for action in sub._actions for flag in action.option_strings}
+    assert options["--quantization"].choices == ["none", "int8", "int4"]
+    assert options["--quantization-group-size"].choices == [32, 128]
+    if command != "audit":
+        assert options["--draft-quantization"].choices == ["none", "int8", "int4", "auto"]
