@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts,
 
 from batchspec import kernels
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
-from batchspec.cli import build_parser
+from batchspec.cli import build_parser, main
 from batchspec.costs import fingerprint
 from batchspec.forensics.oracle import model_identity
 from batchspec.kernels import (
@@ -282,7 +283,34 @@ def test_every_model_loading_command_takes_the_quantization_options(command):
     parser = build_parser([command])
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     options = {flag: action for action in sub._actions for flag in action.option_strings}
-    assert options["--quantization"].choices == ["none", "int8", "int4"]
+    if command == "bench":  # a comma-separated sweep, each name one of ModelConfig's choices
+        assert options["--quantization"].type("int4,none") == ["int4", "none"]
+    else:
+        assert options["--quantization"].choices == ["none", "int8", "int4"]
     assert options["--quantization-group-size"].choices == [32, 128]
     if command != "audit":
         assert options["--draft-quantization"].choices == ["none", "int8", "int4", "auto"]
+
+
+def test_bench_sweeps_quantizations_in_one_run(tiny_pair_dirs, tmp_path, capsys):
+    """`bench --quantization none,int4`: the bench once per target format, each exact against plain
+    decoding of its own target, each with its own report naming the weights."""
+    target, draft = tiny_pair_dirs
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ["the a of", "to and in is it you"]))
+    report = tmp_path / "report.json"
+    assert main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                 "--methods", "ar@1,ragged@2", "--max-new-tokens", "6", "-k", "3", "--quantization", "none,int4",
+                 "--draft-quantization", "int8", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "=== --quantization none ===" in out and "=== --quantization int4 ===" in out
+    assert "target float32: packed-float32 x15" in out and "target float32: int4-g32 x14, int8 x1" in out
+    assert "peak RSS" in out
+    for quantization, head in (("none", "packed-float32 x15"), ("int4", "int4-g32 x14, int8 x1")):
+        data = json.loads((tmp_path / f"report.{quantization}.json").read_text())
+        assert data["settings"]["weights"]["target"].startswith(f"float32: {head}")
+        assert data["settings"]["weights"]["draft"].startswith("float32: int8 x15")
+        assert data["settings"]["peak_rss_bytes"] > 0
+        assert all(m["error"] is None and m["exact_matches"] == m["prompts"] for m in data["methods"]), data["methods"]
+    assert main(["bench", "--prompts", str(prompts), "--quantization", "none,int5"]) != 0
+    assert "--quantization: choose from none, int8, int4, comma-separated, got 'none,int5'" in capsys.readouterr().err
