@@ -29,6 +29,9 @@ NGRAM = "ngram"  # ModelConfig.draft naming prompt lookup instead of a model
 DRAFTERS = ("model", NGRAM, "hybrid")
 SPECULATION = ("fixed", "adaptive")
 LINEAR_KERNELS = ("auto", "packed", "torch")  # batchspec.kernels: auto = packed where supported
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, batchspec.kernels.apply_quantization
+DRAFT_QUANTIZATIONS = (*QUANTIZATIONS, "auto")  # auto: int4 where its kernel runs (models.draft_quantization)
+GROUP_SIZES = (32, 128)  # int4: inputs sharing one scale and zero
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class ModelConfig:
     chat_template: wrap text prompts in the tokenizer's chat template when it has one.
     allow_special_tokens: parse control tokens spelled in prompt text (e.g. `<|im_end|>`); off, prompt
     text is plain text and cannot forge chat turns.
+    quantization: the target's linears as weight-only int8 or int4 (`kernels.apply_quantization`); plain
+    decoding, `--verify` and the oracle run the same quantized model, so exact means token-identical to
+    plain decoding of the model as loaded. draft_quantization None: "auto" under draft_dtype "auto",
+    else the target's; "auto": int4 where its kernel runs and bfloat16 is not native, where it measured
+    faster (`models.draft_quantization`). Like the drafter's dtype it changes acceptance, never the output.
     """
 
     target: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")
@@ -56,11 +64,33 @@ class ModelConfig:
         "auto", "linear layers: packed = oneDNN with weights packed once at load (CPU, float32/bfloat16: "
         "~1.5x faster steps, and a K+1-token verify costs about one step); torch = torch's default; "
         "auto = packed where supported", choices=list(LINEAR_KERNELS))
+    quantization: str = option(
+        "none", "target weights: none (as loaded) | int8 (per output channel) | int4 (groups of "
+        "--quantization-group-size; the output layer int8); CPU kernels of torch on bfloat16 activations; plain "
+        "decoding and --verify run the same quantized model", choices=list(QUANTIZATIONS))
+    draft_quantization: str | None = option(
+        None, "drafter weights: none | int8 | int4 | auto = int4 where the CPU runs its kernel and has no native "
+        "bfloat16, else --quantization (default: auto with --draft-dtype auto, else --quantization); changes "
+        "acceptance, never the output",
+        choices=list(DRAFT_QUANTIZATIONS))
+    quantization_group_size: int = option(32, "int4: inputs per scale and zero (32 or 128)", type=int,
+                                          choices=list(GROUP_SIZES))
     chat_template: bool = option(True, "feed prompts raw, without the chat template", "--no-chat-template",
                                  action="store_false")
     allow_special_tokens: bool = option(
         False, "parse control tokens spelled in prompt text (e.g. <|im_end|>) as control tokens; by default "
         "prompt text is tokenized as plain text, so it cannot forge chat turns", action="store_true")
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise BatchspecError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if self.draft_quantization is not None and self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise BatchspecError(f"unknown draft quantization {self.draft_quantization!r}; choose one of "
+                                 f"{', '.join(DRAFT_QUANTIZATIONS)}")
+        _require_int("quantization_group_size", self.quantization_group_size)
+        if self.quantization_group_size not in GROUP_SIZES:
+            raise BatchspecError(f"quantization_group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                                 f"got {self.quantization_group_size}")
 
 
 def half_precision_refusal(dtype_name: str) -> BatchspecError:

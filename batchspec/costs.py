@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from .bundled import cache_dir
-from .kernels import linear_kernel, native_bfloat16
+from .kernels import linear_kernel, native_bfloat16, weights_summary
 from .kv import context_limit, is_stateful
 from .layouts.ragged import RaggedLayout
 from .layouts.stateful import StatefulLayout
@@ -250,7 +250,8 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
 
 def fingerprint(model: torch.nn.Module) -> dict:
     """What a measurement depends on: the model (architecture, config, size), its dtype and device,
-    the hardware and the threads torch uses."""
+    the hardware, the threads torch uses, and the kernels and weights of its linears (float packed,
+    int8, int4 and its group size: an int4 step reads a quarter of float32's bytes)."""
     param = next(model.parameters())
     config = model.config.to_json_string(use_diff=True) if hasattr(model.config, "to_json_string") else repr(model.config)
     return {
@@ -262,6 +263,7 @@ def fingerprint(model: torch.nn.Module) -> dict:
         "hardware": torch.cuda.get_device_name(param.device) if param.is_cuda else cpu_description(),
         "threads": torch.get_num_threads(),
         "linear_kernel": linear_kernel(model),
+        "weights": weights_summary(model),
         "torch": torch.__version__,
     }
 

@@ -14,16 +14,26 @@ Every torch-private call lives here (`torch.ops.mkldnn._reorder_linear_weight` a
 tells the cost model's cache which kernels a timing was made with. The packed layer computes the
 same product as `nn.Linear` up to float rounding (the accumulation order differs), so the engine,
 the plain-decoding baseline and the audit's oracle all use the model as loaded, packed or not.
+
+Weight-only quantized linears (`QuantizedLinear`, `apply_quantization`: int8 per output channel,
+int4 in groups of 32 or 128) run torch's own CPU kernels (`aten._weight_int8pack_mm`,
+`aten._weight_int4pack_mm_for_cpu`), with bfloat16 activations (their float32 path is scalar, 5-20x
+slower). Why these and no other path: a row's output must not depend on the other rows of its
+forward (docs/quantization.md has the measurements), and a forward of 1 to 64 rows takes the same
+kernel. Dequantizing a weight per call for the float32 kernel costs 47 ms for an 8960x1536 weight
+against 16 ms for the quantized product of 64 rows, so no shape is routed elsewhere.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .bundled import short_reason
-from .config import LINEAR_KERNELS, BatchspecError
+from .config import GROUP_SIZES, LINEAR_KERNELS, QUANTIZATIONS, BatchspecError
 
 PACKED, TORCH = "packed", "torch"
 # oneDNN's packed float32 product of one or two rows takes a slower path than that of three or
@@ -36,17 +46,48 @@ FEW_ROWS = 3
 PADDED_ROWS = 4
 
 
-class PackedLinear(torch.nn.Module):
-    """`nn.Linear` for inference with the weight in oneDNN's blocked layout (no autograd, no `.to`)."""
+# How many leading values of a weight stand for it in `forensics.oracle.model_identity` (which hashes
+# that many of every parameter and buffer): a packed weight is opaque, so its sample is kept at pack time.
+IDENTITY_SAMPLE = 256
+
+
+class _FrozenLinear(torch.nn.Module):
+    """What packed and quantized linears share: nn.Linear's shape attributes, and no `.to`."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.weight_dtype = linear.weight.dtype
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _FrozenLinear:
+        """`model.to(...)`, `.half()`, `.cuda()` reach here. The packed layouts depend on the dtype and
+        the CPU, so converting the stored values would compute garbage: refuse any change instead."""
+        probe = torch.empty(0, dtype=self.weight_dtype)  # the stored tensors are opaque or integer, on CPU
+        moved = fn(probe)
+        if moved.dtype != probe.dtype or moved.device != probe.device:
+            raise BatchspecError(f"a model with packed or quantized linears cannot change dtype or device "
+                                 f"({probe.dtype} on {probe.device.type} -> {moved.dtype} on "
+                                 f"{moved.device.type}): load it with the dtype and device you need")
+        return self
+
+
+class PackedLinear(_FrozenLinear):
+    """`nn.Linear` for inference with the weight in oneDNN's blocked layout (no autograd, no `.to`).
+
+    The packed weight and the bias are buffers, so the module's tensors are visible to whatever walks
+    them (`state_dict`, memory accounting); `state_dict` holds the dense weight under nn.Linear's
+    names, so a packed model's state dict reads like the unpacked one's."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__(linear)
+        self._pack(linear)
+
+    def _pack(self, linear: torch.nn.Linear) -> None:
         weight = linear.weight.detach()
-        self.weight_dtype = weight.dtype
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("weight_sample", weight.flatten()[:IDENTITY_SAMPLE].clone(), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -73,20 +114,199 @@ class PackedLinear(torch.nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(padded, self.packed_weight, self.bias, "none", [], "")
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> PackedLinear:
-        """`model.to(...)`, `.half()`, `.cuda()` reach here. The blocked layout depends on the dtype,
-        so converting the packed values would compute garbage: refuse any change instead."""
-        probe = torch.empty(0, dtype=self.weight_dtype)  # the packed tensor is opaque (oneDNN layout), on CPU
-        moved = fn(probe)
-        if moved.dtype != probe.dtype or moved.device != probe.device:
-            raise BatchspecError(f"a model with packed linears cannot change dtype or device ({probe.dtype} on "
-                                 f"{probe.device.type} -> {moved.dtype} on {moved.device.type}): load it with the "
-                                 "dtype and device you need, or with linear_kernel='torch'")
-        return self
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """nn.Linear's entries, dense: the oneDNN layout is opaque and depends on the CPU."""
+        destination[prefix + "weight"] = self.packed_weight.to_dense()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """Loads nn.Linear's dense entries (what `_save_to_state_dict` writes) and packs them again."""
+        linear = self.unpacked()
+        problems = len(missing_keys) + len(error_msgs)
+        linear._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                     error_msgs)
+        if len(missing_keys) + len(error_msgs) == problems:
+            self._pack(linear)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PackedLinear:
+        """A packed tensor has no storage that `copy.deepcopy` could copy: repack the dense weight."""
+        return PackedLinear(self.unpacked())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, oneDNN packed")
+
+
+INT8, INT4, NONE = "int8", "int4", "none"
+# Torch's CPU kernels need these shapes (torch 2.13): int4 packs 16 output channels together and
+# refuses other N; int8 with K not a multiple of 16 returns wrong values or crashes the process
+# (measured: K = 8, 24, 33-56 wrong or SIGSEGV; 16, 32, 80, 896, 1536 right). A linear that does not
+# fit stays in float and the summary says so.
+INT4_ROWS_MULTIPLE = 16
+INT8_COLUMNS_MULTIPLE = 16
+_QUANT_OPS = {INT8: ("_weight_int8pack_mm",),
+              INT4: ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")}
+_VECTOR_CPUS = ("AVX2", "AVX512")  # torch's vectorized x86 paths of both kernels; elsewhere a scalar loop
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output channel: weight ~= q * scale with q in [-127, 127]. The scale is rounded
+    to bfloat16 (what the kernel reads) before q is computed, so q is chosen for the scale used."""
+    w = weight.detach().float()  # [N, K]
+    scale = (w.abs().amax(dim=1) / 127).to(torch.bfloat16)  # [N]
+    divisor = torch.where(scale == 0, 1.0, scale.float())[:, None]  # [N, 1]; an all-zero row stays 0
+    q = torch.round(w / divisor).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return q, scale
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of `group_size` inputs: weight ~= (q - 8) * scale + zero with q in
+    [0, 15], torch's int4 convention (llama.cpp's Q4_K maps onto it: scale = d*sc, zero = 8*d*sc -
+    dmin*m). Scale and zero are rounded to bfloat16 before q is chosen. Returns q [N, K] (int32),
+    scale and zero [N, K // group_size]."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)  # [N, G, group]
+    low, high = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
+    scale = ((high - low) / 15).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    divisor = torch.where(scale == 0, 1.0, scale.float())  # a constant group: q = 8 gives `zero`
+    offset = zero.float() - 8 * scale.float()  # [N, G]: the value of q = 0
+    q = torch.round((w - offset[..., None]) / divisor[..., None]).clamp(0, 15)  # [N, G, group]
+    return q.reshape(n, k).to(torch.int32), scale, zero
+
+
+class QuantizedLinear(_FrozenLinear):
+    """`nn.Linear` for inference with weight-only int8 (per output channel) or int4 (per group) weights,
+    computed by torch's CPU kernels on bfloat16 activations (input cast in, output cast back).
+
+    Every row's output is a function of that row alone (the kernels tile over output channels and
+    keep each row's reduction order; tests/test_quant.py checks it bit for bit at 1 and 2 threads, 1
+    to 64 rows), so the engine's exactness argument holds as for float linears. Weights are packed
+    here, at load: the int4 layout depends on the CPU that packs it, so it is never stored on disk."""
+
+    def __init__(self, linear: torch.nn.Linear, bits: str, group_size: int = 32) -> None:
+        super().__init__(linear)
+        self.bits = bits
+        self.group_size = group_size if bits == INT4 else self.in_features
+        weight = linear.weight.detach()
+        if bits == INT8:
+            q, scale = quantize_int8(weight)
+            self.register_buffer("qweight", q)  # [N, K] int8
+            self.register_buffer("scales", scale)  # [N] bfloat16
+        elif bits == INT4:
+            q, scale, zero = quantize_int4(weight, group_size)
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K/2]
+            self.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())  # [G, N, 2]
+        else:
+            raise BatchspecError(f"unknown weight quantization {bits!r}; choose int8 or int4")
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    @property
+    def kernel(self) -> str:
+        """How this layer computes, as summaries and the cost model's cache key name it."""
+        return INT8 if self.bits == INT8 else f"{INT4}-g{self.group_size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, K]
+        if self.bits == INT8:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)  # [rows, N]
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.kernel} weights")
+
+
+def quantization_kernel_reason(bits: str, device: torch.device) -> str | None:
+    """Why torch's `bits` kernels cannot run on `device` (device kind, torch build, CPU), or None."""
+    if device.type != "cpu":
+        return f"quantized linears are CPU kernels (model is on {device.type})"
+    missing = [name for name in _QUANT_OPS[bits] if not hasattr(torch.ops.aten, name)]
+    if missing:
+        return f"this torch build ({torch.__version__}) lacks {', '.join('aten.' + m for m in missing)}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _VECTOR_CPUS:
+        return (f"torch's {bits} kernels are vectorized for AVX2 and AVX-512 only; this CPU runs {capability} "
+                "(a scalar loop, slower than float32)")
+    return None
+
+
+def quantization_unsupported_reason(model: torch.nn.Module, bits: str) -> str | None:
+    """Why `model` cannot run `bits` weights here, or None when it can."""
+    param = next(model.parameters())
+    if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"quantized linears take float32, bfloat16 or float16 models, not {param.dtype}"
+    return quantization_kernel_reason(bits, param.device)
+
+
+def _quantizable(linear: torch.nn.Linear, bits: str, group_size: int) -> bool:
+    if linear.in_features % INT8_COLUMNS_MULTIPLE:
+        return False
+    if bits == INT4:
+        return linear.out_features % INT4_ROWS_MULTIPLE == 0 and linear.in_features % group_size == 0
+    return True
+
+
+def apply_quantization(model: torch.nn.Module, quantization: str, group_size: int = 32) -> None:
+    """Replace the model's `nn.Linear`s by `QuantizedLinear`s of `quantization` ("none", "int8",
+    "int4"), in place. Under int4 the output layer is int8: it is the layer whose errors reach the
+    logits unmixed, and a Q4_K_M file keeps it at 6 bits for the same reason. A linear whose shape
+    the kernels cannot take stays float (`weights_summary` lists it). Anything that cannot run here
+    is one BatchspecError line."""
+    if quantization not in QUANTIZATIONS:
+        raise BatchspecError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if group_size not in GROUP_SIZES:
+        raise BatchspecError(f"quantization group size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                             f"got {group_size!r}")
+    if quantization == NONE:
+        return
+    reason = quantization_unsupported_reason(model, quantization)
+    if reason is not None:
+        raise BatchspecError(f"--quantization {quantization}: {reason}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            bits = INT8 if child is head else quantization
+            if _quantizable(child, bits, group_size):
+                setattr(parent, name, QuantizedLinear(child, bits, group_size))
+    try:
+        _probe(model)
+    except Exception as exc:  # modeling code that computes with a linear's weight
+        raise BatchspecError(f"--quantization {quantization}: {type(model).__name__} does not run with quantized "
+                             f"linears ({short_reason(exc)})") from exc
+
+
+def weights_summary(model: torch.nn.Module) -> str:
+    """Which kernels the model's linear layers run and how many of each, e.g. "int4-g32 x196, int8 x1";
+    float layers left by a quantization show as "packed-float32 x2" (or "torch-float32")."""
+    counts: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            counts[module.kernel] += 1
+        elif isinstance(module, PackedLinear):
+            counts[f"{PACKED}-{str(module.weight_dtype).removeprefix('torch.')}"] += 1
+        elif isinstance(module, torch.nn.Linear):
+            counts[f"{TORCH}-{str(module.weight.dtype).removeprefix('torch.')}"] += 1
+    return ", ".join(f"{kernel} x{n}" for kernel, n in counts.most_common()) or "no linear layers"
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as stored (a packed oneDNN weight counts as its
+    dense size; an int4 weight as half a byte per value): what a decoding step reads."""
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def native_bfloat16() -> bool:

@@ -24,7 +24,15 @@ from transformers import (
 
 from .bundled import BUNDLED, bundled_model_dir, gguf_load_kwargs, short_reason
 from .config import NGRAM, BatchspecError, ModelConfig, half_precision_refusal
-from .kernels import apply_linear_kernel, native_bfloat16
+from .kernels import (
+    INT4,
+    apply_linear_kernel,
+    apply_quantization,
+    native_bfloat16,
+    quantization_kernel_reason,
+    weight_bytes,
+    weights_summary,
+)
 from .kv import use_exact_attention
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -89,10 +97,12 @@ def _load_tokenizer(folder: Path, gguf_file: str | None) -> PreTrainedTokenizerB
 
 def load_model(
     source: str | None, role: str = "target", dtype: str = "float32", device: str = "cpu",
-    linear_kernel: str = "auto",
+    linear_kernel: str = "auto", quantization: str = "none", group_size: int = 32,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer in eval mode on ``device``, its linear layers on
-    ``linear_kernel`` (`batchspec.kernels`: packed oneDNN weights on CPU unless "torch").
+    ``linear_kernel`` (`batchspec.kernels`: packed oneDNN weights on CPU unless "torch"), quantized
+    first if ``quantization`` is "int8" or "int4" (`kernels.apply_quantization`; layers it cannot take
+    stay on ``linear_kernel``).
 
     ``source`` None means the bundled model for ``role`` ("target" or "draft"). Attention is
     batchspec's batch-invariant path (`kv.use_exact_attention`) wherever transformers' SDPA or eager
@@ -119,6 +129,7 @@ def load_model(
     except Exception as exc:
         raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
+    apply_quantization(model, quantization, group_size)
     apply_linear_kernel(model, linear_kernel)
     use_exact_attention(model)
     if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not computes_bfloat16(torch_device):
@@ -161,6 +172,29 @@ def draft_dtype(config: ModelConfig) -> str:
     return "bfloat16" if computes_bfloat16(device) else config.dtype
 
 
+def draft_quantization(config: ModelConfig) -> str:
+    """The drafter's quantization: as given; unset, "auto" under draft dtype "auto" and the target's
+    otherwise. "auto" is int4 where torch's int4 kernel runs and the device has no native bfloat16,
+    else the target's. Measured on an AVX-512 EPYC with native bfloat16 (docs/quantization.md, the
+    0.5B drafter's whole forward): int4 46 ms against bfloat16's 70 ms for one row and token, but
+    69 vs 63 ms for four rows and 961 vs 336 ms for a 64-token catch-up, so there the bfloat16
+    drafter stays; without native bfloat16 the drafter is float32, which int4 beats at 1-8 rows.
+    Never changes the output, only acceptance and speed."""
+    chosen = config.draft_quantization
+    if chosen is None:
+        auto_dtype = config.draft_dtype is not None and config.draft_dtype.lower() == "auto"
+        chosen = "auto" if auto_dtype else config.quantization
+    if chosen != "auto":
+        return chosen
+    try:
+        device = torch.device(config.device)
+    except (RuntimeError, TypeError):
+        return config.quantization  # load_model refuses the device with one clear line
+    if quantization_kernel_reason(INT4, device) is not None or computes_bfloat16(device):
+        return config.quantization
+    return INT4
+
+
 def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
     """Load the target and (if ``need_draft``) the drafter of ``config``, and check that they can
     be paired. Both dtypes are validated before any (slow) loading starts. Draft ``ngram`` is prompt
@@ -172,17 +206,34 @@ def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
     if need_draft:
         parse_dtype(drafter_dtype)
     target_model, target_tok = load_model(config.target, role="target", dtype=config.dtype, device=config.device,
-                                          linear_kernel=config.linear_kernel)
+                                          linear_kernel=config.linear_kernel, quantization=config.quantization,
+                                          group_size=config.quantization_group_size)
     if not need_draft:
         return ModelPair(target=target_model, draft=None, tokenizer=target_tok)
     draft_model, draft_tok = load_model(config.draft, role="draft", dtype=drafter_dtype, device=config.device,
-                                        linear_kernel=config.linear_kernel)
+                                        linear_kernel=config.linear_kernel, quantization=draft_quantization(config),
+                                        group_size=config.quantization_group_size)
     try:
         check_compatible(target_model, target_tok, draft_model, draft_tok)
     except BatchspecError as exc:
         names = f"target {config.target or 'bundled'} and draft {config.draft or 'bundled'}"
         raise BatchspecError(f"{names} cannot be paired: {exc}") from exc
     return ModelPair(target=target_model, draft=draft_model, tokenizer=target_tok)
+
+
+def weights_report(config: ModelConfig, pair: ModelPair | None = None) -> dict[str, str]:
+    """Which weights and kernels each model runs, for every run's summary: the loaded models' linears
+    by kernel and their bytes when they are here, else (models on Ray workers) what the config asks.
+    Outputs are exact against plain decoding of the target as listed here."""
+    if pair is None:
+        return {"target": f"{config.dtype}, quantization {config.quantization}",
+                "draft": f"{draft_dtype(config)}, quantization {draft_quantization(config)}"}
+    report = {}
+    for role, model in (("target", pair.target), ("draft", pair.draft)):
+        if model is not None:
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            report[role] = f"{dtype}: {weights_summary(model)}; {weight_bytes(model) / 2**30:.2f} GiB"
+    return report
 
 
 def output_vocab_size(model: PreTrainedModel) -> int:

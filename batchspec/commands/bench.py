@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,13 +28,13 @@ from ..bench.plots import write_plots
 from ..bench.report import NOISE_NOTE, build_report, machine_info, render_costs, render_tables, write_csv
 from ..bench.runner import ALL, MethodResult, fastest_of, run_method, warm_up
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group_order, select
-from ..config import NGRAM, BatchspecError, SamplingParams, SpecConfig
+from ..config import NGRAM, QUANTIZATIONS, BatchspecError, SamplingParams, SpecConfig
 from ..costs import measured_costs
 from ..forensics.oracle import Oracle
 from ..kernels import linear_kernel
 from ..kv import context_limit
 from ..methods import METHODS
-from ..models import ModelPair, draft_dtype, eos_token_ids
+from ..models import ModelPair, draft_dtype, eos_token_ids, weights_report
 from .common import (
     add_config_arguments,
     add_model_arguments,
@@ -81,6 +83,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--csv", help="write one line per method (and per method and task group) here")
     g.add_argument("--plots", help="write PNG plots into this folder")
     add_model_arguments(p)
+    quantization = next(a for a in p._actions if "--quantization" in a.option_strings)
+    quantization.type, quantization.choices = _quantizations, None
+    quantization.help += ("; comma-separated (e.g. none,int8,int4): the whole bench once per target quantization "
+                          "in one run, each against plain decoding of its own target (--json/--csv/--plots get "
+                          "the quantization appended to their names)")
+
+
+def _quantizations(text: str) -> list[str]:
+    """--quantization in the bench: one or more of QUANTIZATIONS, comma-separated."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    wrong = [name for name in names if name not in QUANTIZATIONS]
+    if not names or wrong:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(QUANTIZATIONS)}, comma-separated, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def _suffixed(path: str | None, quantization: str) -> str | None:
+    """report.json -> report.int4.json, plots -> plots.int4: one set of outputs per swept quantization."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{quantization}{p.suffix}"))
 
 
 def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[BenchPrompt], dict]:
@@ -116,7 +140,27 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
     return chosen, info
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (loading float32 weights before quantizing them
+    counts: it is what the machine must have)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
 def run(args: argparse.Namespace) -> int:
+    """The bench once per target quantization asked for (models loaded one format at a time)."""
+    formats = args.quantization if isinstance(args.quantization, list) else [args.quantization]
+    if len(formats) == 1:
+        return _run_one(argparse.Namespace(**{**vars(args), "quantization": formats[0]}))
+    status = 0
+    for quantization in formats:
+        print(f"\n=== --quantization {quantization} ===", flush=True)
+        outputs = {name: _suffixed(getattr(args, name), quantization) for name in ("json", "csv", "plots")}
+        status = max(status, _run_one(argparse.Namespace(**{**vars(args), "quantization": quantization, **outputs})))
+    return status
+
+
+def _run_one(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
     specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes), parse_prefill_chunks(args.prefill_chunks))
@@ -175,7 +219,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"prompts: {prompt_info['file']}{f' ({groups})' if groups else ''}; "
           f"mean {prompt_info['prompt_tokens']['mean']} tokens; "
           f"{'one run per task group' if by_group else 'all prompts in one run'}{repeats}")
-    print(f"torch {machine['torch']}, transformers {machine['transformers']}\n")
+    print(f"torch {machine['torch']}, transformers {machine['transformers']}")
+    weights = weights_report(model_config(args), models)
+    print(f"weights: {'; '.join(f'{role} {text}' for role, text in weights.items())}; peak RSS "
+          f"{peak_rss_bytes() / 2**30:.2f} GiB so far in this process (outputs are exact against plain decoding "
+          "of this target)\n")
     print(render_tables(entries))
     if paired:
         print(f"\n{render_paired(paired)}")
@@ -187,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
             "settings": {
                 "target": args.target or "bundled", "draft": args.draft or "bundled",
                 "linear_kernel": linear_kernel(models.target),
+                "weights": weights, "peak_rss_bytes": peak_rss_bytes(),
                 "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
                 "speculation_default": {n: m.default_speculation for n, m in METHODS.items() if m.speculative},
                 "methods": [s.name for s in specs], "suite": args.suite,

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from ..config import BatchspecError, SamplingParams, SpecConfig, resolve_drafter
 from ..engine import EngineStats
 from ..llm import LLM, RequestOutput
+from ..models import weights_report
 from ..prompts import PromptRecord, load_prompts
 from ..reference import reference_decode
 from .common import (
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(fresh, decoded.wall)
     if args.resume:
         summary["resumed"] = len(records) - len(todo)
+    summary["weights"] = weights_report(model_config(args), getattr(decoded.llm, "models", None))
     if spec.speculative:  # what chose the K in chosen_k
         summary["speculation"] = {"policy": spec.speculation, "max_drafts": spec.num_draft_tokens,
                                   "drafter": spec.drafter}

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import BatchspecError, SamplingParams
+from ..kernels import IDENTITY_SAMPLE
 from ..reference import reference_decode
 
 ORACLE_CACHE_FORMAT = 1
@@ -28,18 +29,22 @@ def model_identity(model: torch.nn.Module) -> str:
     """A short fingerprint of the weights, dtype, device type and attention kernel: what the
     oracle's tokens depend on.
 
-    Hashing the first values of every parameter is cheap even for billions of weights and changes
-    with any other checkpoint, fine-tune or dtype, unlike the folder name.
+    Hashing the first values of every parameter and buffer is cheap even for billions of weights and
+    changes with any other checkpoint, fine-tune, dtype or quantization, unlike the folder name.
+    Packed and quantized linears keep their weights in buffers (`batchspec.kernels`); a packed oneDNN
+    tensor is opaque, so it is skipped and its layer's `weight_sample` buffer stands for it.
     """
     digest = hashlib.sha256()
     config = model.config
     device = next(model.parameters()).device.type
     dtype = next(model.parameters()).dtype
     digest.update(f"{config.model_type}|{dtype}|{device}|{getattr(config, '_attn_implementation', '')}".encode())
-    for name, param in model.named_parameters():
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_mkldnn:
+            continue
         digest.update(name.encode())
-        digest.update(str(tuple(param.shape)).encode())
-        digest.update(param.detach().flatten()[:256].float().cpu().numpy().tobytes())
+        digest.update(f"{tuple(tensor.shape)}|{tensor.dtype}".encode())
+        digest.update(tensor.detach().flatten()[:IDENTITY_SAMPLE].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
