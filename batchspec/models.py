@@ -33,7 +33,7 @@ from .kernels import (
     weight_bytes,
     weights_summary,
 )
-from .kv import use_exact_attention
+from .kv import attention_path, use_exact_attention
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -223,7 +223,7 @@ def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
 
 def weights_report(config: ModelConfig, pair: ModelPair | None = None) -> dict[str, str]:
     """Which weights and kernels each model runs, for every run's summary: the loaded models' linears
-    by kernel and their bytes when they are here, else (models on Ray workers) what the config asks.
+    by kernel, their bytes and their attention path (`kv.attention_path`) when they are here, else (models on Ray workers) what the config asks.
     Outputs are exact against plain decoding of the target as listed here."""
     if pair is None:
         return {"target": f"{config.dtype}, quantization {config.quantization}",
@@ -232,7 +232,8 @@ def weights_report(config: ModelConfig, pair: ModelPair | None = None) -> dict[s
     for role, model in (("target", pair.target), ("draft", pair.draft)):
         if model is not None:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            report[role] = f"{dtype}: {weights_summary(model)}; {weight_bytes(model) / 2**30:.2f} GiB"
+            report[role] = (f"{dtype}: {weights_summary(model)}; {weight_bytes(model) / 2**30:.2f} GiB; "
+                            f"{attention_path(model)} attention")
     return report
 
 

@@ -7,6 +7,7 @@ logit-level checks of each forward are in test_kv.py."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -114,7 +115,9 @@ def test_a_half_precision_drafter_is_fine_and_the_cli_says_one_line(tmp_path, ti
     args = ["generate", "--prompts", str(prompts), "--target", str(target), "--draft", str(draft),
             "--max-new-tokens", "4", "--output", str(out)]
     assert cli_main(args + ["--draft-dtype", "bfloat16", "--verify"]) == 0
-    capsys.readouterr()
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["exact_match"] == "1/1"
+    assert summary["weights"]["target"].startswith("float32") and summary["weights"]["target"].endswith("exact attention")
     assert cli_main(args + ["--dtype", "float16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "float16 target is not batch-invariant" in err[0]
