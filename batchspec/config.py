@@ -32,6 +32,13 @@ LINEAR_KERNELS = ("auto", "packed", "torch")  # batchspec.kernels: auto = packed
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, batchspec.kernels.apply_quantization
 DRAFT_QUANTIZATIONS = (*QUANTIZATIONS, "auto")  # auto: int4 where its kernel runs (models.draft_quantization)
 GROUP_SIZES = (32, 128)  # int4: inputs sharing one scale and zero
+# The smallest sampling temperature (0 is greedy). Logits are divided by it in the model's dtype: at
+# 1e-38 float32 logits became inf and NaN and decoded EOS or token 0 forever, and a float16 logit of
+# 10 overflows below ~1.5e-4. vLLM raises temperatures below 0.01 to 0.01 for the same reason; a
+# request is refused instead, so that what it asked for is never silently changed.
+MIN_TEMPERATURE = 0.01
+# torch.Generator.manual_seed takes 0 .. 2**64 - 1 (a larger seed raised "Overflow" deep inside torch).
+MAX_GENERATOR_SEED = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,8 @@ class SpecConfig:
             raise BatchspecError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise BatchspecError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.generator_seed is not None and not 0 <= self.generator_seed <= MAX_GENERATOR_SEED:
+            raise BatchspecError(f"generator_seed must be in 0..2**64-1, got {self.generator_seed}")
 
     @property
     def speculative(self) -> bool:
@@ -233,10 +242,11 @@ def resolve_drafter(model: ModelConfig, spec: SpecConfig) -> SpecConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. temperature 0 means greedy."""
+    """Per-request decoding settings. temperature 0 means greedy; a sampled temperature is at least
+    MIN_TEMPERATURE."""
 
     max_new_tokens: int = option(64, "token budget per request", type=int)
-    temperature: float = option(0.0, "0 = greedy", type=float)
+    temperature: float = option(0.0, f"0 = greedy; else at least {MIN_TEMPERATURE}", type=float)
     top_p: float = option(1.0, "nucleus sampling mass, in (0, 1]; 1 = off", type=float)
     top_k: int = option(0, "sample among the k most likely tokens; 0 = off", type=int)
     seed: int | None = option(None, "seeded sampling, token-identical to plain seeded sampling (on the command "
@@ -253,6 +263,9 @@ class SamplingParams:
             raise BatchspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise BatchspecError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise BatchspecError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}: "
+                                 f"dividing logits by less overflows them")
         if not 0 < self.top_p <= 1:
             raise BatchspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

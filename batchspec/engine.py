@@ -114,6 +114,10 @@ class Engine:
         )
         models = [m for m in (target, self.draft_model) if m is not None]
         self.limit = min((x for x in map(context_limit, models) if x is not None), default=None)
+        if self.limit is not None and self.k + 2 > self.limit:
+            # a round feeds K + 1 tokens after at least one of the prompt (cost calibration too)
+            raise BatchspecError(f"num_draft_tokens {self.k} cannot fit the model's context of {self.limit} tokens: a "
+                                 f"round verifies K + 1 tokens after the prompt (K at most {self.limit - 2})")
         self.vocab = min(embedding_rows(m) for m in models)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in the home layout's row order

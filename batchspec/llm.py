@@ -101,10 +101,7 @@ class LLM:
         """Yield each request's output as soon as it finishes (refused prompts first, each with its
         `error`: a bad prompt never costs the others their outputs)."""
         prompts = _as_list(prompts)
-        params = params or SamplingParams()
-        per_request = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_request) != len(prompts):
-            raise BatchspecError(f"{len(per_request)} sampling params for {len(prompts)} prompts")
+        per_request = _per_request(params, len(prompts))
         engine = self.make_engine()
         accepted: list[int] = []
         ids: dict[int, list[int]] = {}
@@ -155,11 +152,36 @@ class LLM:
 
 
 def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    """A lone string (or a lone list of token ids) is one prompt, not a batch of characters."""
+    """A lone string (or a lone list of token ids) is one prompt, not a batch of characters. Anything
+    that is not a string or an iterable is a TypeError here, not one from deep inside (`generate(5)`);
+    bytes too, which would otherwise be read as token ids."""
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray, dict)) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a string, a list of token ids or a list of prompts, got "
+                        f"{type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]
     return prompts
 
+
+
+def _per_request(params: SamplingParams | Seq[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: `params` for all, or a list of one each. A dict of settings is
+    refused with the fix (`SamplingParams(**settings)`), not an AttributeError from deep inside."""
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        hint = ": pass SamplingParams(**settings)" if isinstance(params, dict) else ""
+        raise TypeError(f"params must be a SamplingParams or a list of them, one per prompt, got "
+                        f"{type(params).__name__}{hint}")
+    per_request = list(params)
+    bad = next((p for p in per_request if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"params must be SamplingParams, one per prompt, got a {type(bad).__name__} among them")
+    if len(per_request) != count:
+        raise BatchspecError(f"{len(per_request)} sampling params for {count} prompts")
+    return per_request

@@ -34,6 +34,7 @@ from .kernels import (
     weights_summary,
 )
 from .kv import attention_path, use_exact_attention
+from .prompts import unicode_problem
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -114,6 +115,7 @@ def load_model(
         torch_device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise BatchspecError(f"unknown device {device!r}: {short_reason(exc)}") from exc
+    check_device(torch_device)
     folder, gguf_file = _resolve(source, role)
     model_kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file, **gguf_load_kwargs()}
     label = source if source is not None else f"bundled {role} ({folder})"
@@ -147,6 +149,19 @@ class ModelPair:
     target: PreTrainedModel
     draft: PreTrainedModel | None
     tokenizer: PreTrainedTokenizerBase
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse a device index that does not exist, before any loading: torch takes `cpu:99` as the
+    CPU without a word, and `cuda:7` on a 1-GPU machine fails only when the model moves there."""
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise BatchspecError(f"there is no device {device}: the CPU is `cpu` (or `cpu:0`)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise BatchspecError(f"there is no device {device}: torch sees no CUDA GPU here")
+        if device.index is not None and device.index >= count:
+            raise BatchspecError(f"there is no device {device}: torch sees {count} CUDA GPU(s), cuda:0..cuda:{count - 1}")
 
 
 def computes_bfloat16(device: torch.device) -> bool:
@@ -333,6 +348,9 @@ def encode_prompt(
     """
     if not text.strip():
         raise BatchspecError("empty prompt")
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise BatchspecError(f"prompt: {problem}")
     if not (chat_template and tokenizer.chat_template):
         return list(tokenizer.encode(text, split_special_tokens=not allow_special_tokens))
     rendered = _render_chat(tokenizer, text)

@@ -54,3 +54,11 @@ def test_pair_items_loses_nothing() -> None:
     errors = {i.id: i.error for i in items[1:4]}
     assert "no output" in errors["b"] and "unreadable" in errors["c"] and "no prompt" in errors["z"]
     assert len(items) == 5 and "duplicate output" in items[4].error
+
+
+def test_read_outputs_survives_deep_nesting_and_lone_surrogates(tmp_path: Path) -> None:
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b"[" * 100_000 + b"\n" + b'{"id": "s", "text": "\\ud800"}\n')
+    items = {i.id: i for i in read_outputs(path)}
+    assert items["line 1"].error == "invalid JSON on line 1: nested too deeply"
+    assert "lone surrogate" in items["s"].error and items["s"].text is None

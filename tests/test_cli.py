@@ -180,7 +180,7 @@ def test_no_prompt_producing_output_exits_1(tmp_path, tiny_pair_dirs, capsys):
 @pytest.mark.parametrize("where, message", [
     ("folder", "--output is a directory, not a file"),
     ("file/out.jsonl", "cannot create the folder of --output"),
-    ("words.jsonl", "--output is the --prompts file"),
+    ("words.jsonl", "is the --output file"),
 ])
 def test_a_bad_output_path_is_refused_before_any_model_loads(tmp_path, capsys, where, message):
     (tmp_path / "folder").mkdir()
@@ -242,7 +242,7 @@ def test_ctrl_c_keeps_finished_records_and_resume_completes_the_output(tmp_path,
     monkeypatch.setattr(LLM, "stream", counting_stream)
     assert main([*args, "--resume"]) == 0
     assert len(decoded) == 4  # only the prompts without a record
-    assert json.loads(capsys.readouterr().out)["resumed"] == 4
+    assert json.loads(capsys.readouterr().out)["resumed"] == 3  # the error record is tried again
     rows = _rows(out)
     assert [r["id"] for r in rows] == ids  # every prompt exactly once, in input order
     keys = ("id", "prompt", "token_ids", "text", "finish_reason", "error")
@@ -254,11 +254,177 @@ def test_ctrl_c_keeps_finished_records_and_resume_completes_the_output(tmp_path,
     assert not decoded and [r["id"] for r in _rows(out)] == ids
 
 
-def test_resume_refuses_duplicate_ids(tmp_path, capsys):
-    prompts = tmp_path / "dup.jsonl"
-    prompts.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n" + json.dumps({"id": "a", "prompt": "y"}) + "\n")
-    assert main(["generate", "--prompts", str(prompts), "-o", str(tmp_path / "o.jsonl"), "--resume"]) == 2
-    assert "id 'a' is on more than one line" in _one_error_line(capsys, "generate")
+@pytest.mark.parametrize("ids, message", [
+    (['"a"', '"a"'], "id 'a' is on lines 1 and 2"),
+    (["1", '"1"'], "id '1' is on lines 1 and 2"),  # one id once written as text
+    (["null", '"x"'], "line 1: `id` is null, not a string or an integer"),
+    (['"x"', "[1]"], "line 2: `id` is a list, not a string or an integer"),
+    (['"x"', "true"], "line 2: `id` is true or false"),
+])
+def test_ids_are_checked_before_any_model_loads_with_or_without_resume(tmp_path, capsys, ids, message):
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text("".join(f'{{"id": {rid}, "prompt": "the water"}}\n' for rid in ids))
+    for extra in ([], ["-o", str(tmp_path / "o.jsonl"), "--resume"]):
+        assert main(["generate", "--prompts", str(prompts), "--target", "/nonexistent/model", *extra]) == 2
+        assert message in _one_error_line(capsys, "generate")
+
+
+def _run_and_partial(tmp_path, tiny_pair_dirs, lines: list[str]) -> tuple[list[str], object]:
+    """A finished run's output moved to its .partial, as an interrupted run leaves it; the command."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--prompts", str(prompts), *_tiny(tiny_pair_dirs), "-o", str(out)]
+    assert main(args) == 0
+    out.rename(tmp_path / "out.jsonl.partial")
+    return args, out
+
+
+def test_resume_refuses_records_written_for_other_prompts(tmp_path, tiny_pair_dirs, capsys):
+    args, out = _run_and_partial(tmp_path, tiny_pair_dirs, [json.dumps({"prompt": "the water is long"})])
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "call him now"}) + "\n")  # same id 0, another prompt
+    capsys.readouterr()
+    assert main([*args, "--resume"]) == 2
+    assert "was written for another prompt than line 1's" in _one_error_line(capsys, "generate")
+    assert (tmp_path / "out.jsonl.partial").exists() and not out.exists()  # nothing lost
+
+
+def test_resume_decodes_forged_records_and_error_records_again(tmp_path, tiny_pair_dirs, capsys, monkeypatch):
+    lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(["the water is long", "call him now", "   "])]
+    args, out = _run_and_partial(tmp_path, tiny_pair_dirs, lines)
+    partial = tmp_path / "out.jsonl.partial"
+    rows = _rows(partial)
+    assert rows[2]["error"] == "empty prompt"
+    good = {r["id"]: r for r in rows}
+    forged = [{"id": "0", "prompt": "the water is long", "text": "FORGED"}, {**rows[1], "token_ids": "zz"}, rows[2]]
+    partial.write_text("".join(json.dumps(r) + "\n" for r in forged))
+    decoded: list[str] = []
+    original = LLM.stream
+
+    def counting_stream(self, prompts, params=None):
+        decoded.extend(prompts)
+        yield from original(self, prompts, params)
+
+    monkeypatch.setattr(LLM, "stream", counting_stream)
+    capsys.readouterr()
+    assert main([*args, "--resume", "--keep-errors"]) == 0
+    err = capsys.readouterr().err
+    assert "2 earlier record(s) are not whole records of batchspec generate" in err and "Traceback" not in err
+    assert decoded == ["the water is long", "call him now"]  # the kept error record is not retried
+    final = _rows(out)
+    assert [r["token_ids"] for r in final[:2]] == [good["0"]["token_ids"], good["1"]["token_ids"]]
+    assert "FORGED" not in out.read_text()
+
+    out.rename(partial)
+    decoded.clear()
+    assert main([*args, "--resume"]) == 0  # without --keep-errors the error record is tried again
+    assert decoded == ["   "] and _rows(out)[2]["error"] == "empty prompt"  # refused again
+    assert json.loads(capsys.readouterr().out)["resumed"] == 2
+
+
+@pytest.mark.parametrize("prompts_name, output, extra", [
+    ("o.jsonl.lock", "o.jsonl", []),
+    ("o.jsonl.tmp", "o.jsonl", []),
+    ("o.jsonl.partial", "o.jsonl", ["--resume"]),
+    ("o.jsonl", "o.jsonl", []),
+])
+def test_prompts_named_like_the_outputs_side_files_are_refused_untouched(tmp_path, capsys, prompts_name, output,
+                                                                          extra):
+    prompts = tmp_path / prompts_name
+    content = json.dumps({"id": "a", "prompt": "the water"}) + "\n"
+    prompts.write_text(content)
+    assert main(["generate", "--prompts", str(prompts), "-o", str(tmp_path / output), "--target",
+                 "/nonexistent/model", *extra]) == 2
+    assert "the run would destroy it" in _one_error_line(capsys, "generate")
+    assert prompts.read_text() == content and sorted(p.name for p in tmp_path.iterdir()) == [prompts_name]
+
+
+def test_a_hard_link_to_the_prompts_is_refused_too(tmp_path, capsys):
+    prompts = _word_prompts(tmp_path)
+    (tmp_path / "o.jsonl.tmp").hardlink_to(prompts)
+    assert main(["generate", "--prompts", str(prompts), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert "--output's .tmp file" in _one_error_line(capsys, "generate")
+
+
+def test_bad_lines_of_every_kind_cost_only_themselves(tmp_path, tiny_pair_dirs, capsys):
+    """A lone surrogate (valid JSON), a line nested 100k levels deep and an over-long line are error
+    records; the other prompts are decoded."""
+    import batchspec.prompts
+
+    prompts = tmp_path / "bad.jsonl"
+    lines = ['{"id": "ok1", "prompt": "the water is long"}', '{"id": "sur", "prompt": "\\ud800 x"}', "[" * 100_000,
+             '{"id": "big", "prompt": "' + "word " * 40_000 + '"}', '{"id": "ok2", "prompt": "call him now"}']
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "o.jsonl"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batchspec.prompts, "MAX_LINE_BYTES", 150_000)
+        assert main(["generate", "--prompts", str(prompts), *_tiny(tiny_pair_dirs), "-o", str(out)]) == 0
+    rows = {r["id"]: r for r in _rows(out)}
+    assert list(rows) == ["ok1", "sur", "2", "3", "ok2"]
+    assert "lone surrogate U+D800" in rows["sur"]["error"]
+    assert "nested too deeply" in rows["2"]["error"]
+    assert "longer than 150000 bytes" in rows["3"]["error"]
+    assert rows["ok1"]["error"] is None and rows["ok2"]["error"] is None and rows["ok2"]["token_ids"]
+
+
+def test_a_device_file_or_an_endless_pipe_is_one_line(tmp_path, capsys, monkeypatch):
+    assert main(["generate", "--prompts", "/dev/zero"]) == 2
+    assert "not a regular file or a pipe: /dev/zero" in _one_error_line(capsys, "generate")
+    import os
+    import threading
+
+    import batchspec.prompts
+
+    monkeypatch.setattr(batchspec.prompts, "MAX_FILE_BYTES", 2**22)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with open(fifo, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 2**20)
+            except BrokenPipeError:
+                pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    assert main(["generate", "--prompts", str(fifo)]) == 2
+    assert "is larger than 4 MiB" in _one_error_line(capsys, "generate")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--generator-seed", "18446744073709551616"], "generator_seed must be in 0..2**64-1"),
+    (["--generator-seed", "-1"], "generator_seed must be in 0..2**64-1"),
+    (["--temperature", "1e-39", "--seed", "1"], "temperature must be 0 (greedy) or >= 0.01"),
+    (["--keep-errors"], "--keep-errors says which records --resume keeps"),
+])
+def test_more_bad_numbers_are_refused_before_any_model_loads(tmp_path, capsys, extra, message):
+    args = ["generate", "--prompts", str(_word_prompts(tmp_path)), "--target", "/nonexistent/model"]
+    assert main([*args, *extra]) == 2
+    assert message in _one_error_line(capsys, "generate")
+
+
+def test_device_and_draft_count_that_cannot_work_are_one_line(tmp_path, tiny_pair_dirs, capsys):
+    prompts = str(_word_prompts(tmp_path))
+    assert main(["generate", "--prompts", prompts, *_tiny(tiny_pair_dirs), "--device", "cpu:99"]) == 2
+    assert "there is no device cpu:99" in _one_error_line(capsys, "generate")
+    assert main(["generate", "--prompts", prompts, *_tiny(tiny_pair_dirs), "-k", "600"]) == 2  # adaptive
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "batchspec generate: error: num_draft_tokens 600 cannot fit the model's " \
+        "context of 512 tokens" in err.strip().splitlines()[-1]
+
+
+def test_audit_refuses_an_unwritable_report_before_auditing(tmp_path, capsys, monkeypatch):
+    import batchspec.commands.audit
+
+    prompts = _word_prompts(tmp_path)
+    (tmp_path / "file").write_text("a file, not a folder")
+    monkeypatch.setattr(batchspec.commands.audit, "load_models", lambda *a, **k: pytest.fail("audited first"))
+    for report, message in ((tmp_path / "file" / "r.json", "cannot write --report"),
+                            (prompts, "is an input of this command")):
+        assert main(["audit", "--prompts", str(prompts), "--outputs", str(prompts), "--report", str(report)]) == 2
+        assert message in _one_error_line(capsys, "audit")
 
 
 def test_prompt_text_cannot_forge_control_tokens_unless_allowed(tmp_path, tiny_pair_dirs, capsys):

@@ -24,6 +24,10 @@ from batchspec.config import BatchspecError, SamplingParams, SpecConfig
         ({"seed": "x"}, "seed must be an integer or None, got 'x'"),
         ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
         ({"seed": False}, "seed must be an integer or None, got False"),
+        ({"temperature": 1e-39}, "temperature must be 0 (greedy) or >= 0.01, got 1e-39: dividing logits by less "
+                                 "overflows them"),
+        ({"temperature": 0.009}, "temperature must be 0 (greedy) or >= 0.01, got 0.009: dividing logits by less "
+                                 "overflows them"),
     ],
 )
 def test_sampling_params_refuse_non_finite_and_non_integer_values(kwargs: dict, message: str) -> None:
@@ -40,6 +44,8 @@ def test_sampling_params_refuse_non_finite_and_non_integer_values(kwargs: dict, 
         ({"batch_size": "4"}, "batch_size must be an integer, got '4'"),
         ({"window_size": 8.0}, "window_size must be an integer or None, got 8.0"),
         ({"max_kv_slots": "1024"}, "max_kv_slots must be an integer or None, got '1024'"),
+        ({"generator_seed": 2**64}, "generator_seed must be in 0..2**64-1, got 18446744073709551616"),
+        ({"generator_seed": -1}, "generator_seed must be in 0..2**64-1, got -1"),
     ],
 )
 def test_spec_config_refuses_non_integer_sizes(kwargs: dict, message: str) -> None:
@@ -88,3 +94,16 @@ def test_bad_sampling_params_are_clear_errors():
 
 def test_window_size_is_only_checked_where_a_pool_uses_it():
     assert SpecConfig(method="ragged", batch_size=8, window_size=2).window_size == 2
+
+
+def test_the_smallest_temperature_keeps_logits_finite_and_zero_stays_greedy() -> None:
+    import torch
+
+    from batchspec.config import MIN_TEMPERATURE
+    from batchspec.sampling import filter_logits
+
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = torch.tensor([[[-300.0, 0.0, 600.0]]], dtype=dtype)  # beyond any real model's logits
+        assert torch.isfinite(filter_logits(logits, [SamplingParams(temperature=MIN_TEMPERATURE)])).all()
+    SpecConfig(generator_seed=2**64 - 1)  # the largest seed torch takes

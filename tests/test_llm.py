@@ -83,3 +83,23 @@ def test_sampling_params_count_must_match(llm):
 
     with pytest.raises(BatchspecError, match="2 sampling params for 1 prompts"):
         llm.generate(["the water"], [SamplingParams(), SamplingParams()])
+
+
+def test_a_lone_surrogate_is_an_error_for_that_prompt_only(llm):
+    outputs = llm.generate(["the water is long", "\ud800 x", "call him now"], SamplingParams(max_new_tokens=4))
+    assert "lone surrogate U+D800 at character 1" in outputs[1].error and outputs[1].token_ids == []
+    assert outputs[0].error is None and outputs[2].error is None and outputs[2].token_ids
+
+
+@pytest.mark.parametrize("prompts, params, message", [
+    (5, None, "prompts must be a string, a list of token ids or a list of prompts, got int"),
+    (None, None, "got NoneType"),
+    (b"the water", None, "got bytes"),
+    (["the water"], {"max_new_tokens": 8}, "got dict: pass SamplingParams(**settings)"),
+    (["the water"], "greedy", "got str"),
+    (["the water"], 8, "got int"),
+    (["the water"], [{"max_new_tokens": 8}], "got a dict among them"),
+])
+def test_arguments_of_the_wrong_type_are_a_clear_type_error(llm, prompts, params, message):
+    with pytest.raises(TypeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        llm.generate(prompts, params)

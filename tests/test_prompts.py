@@ -82,3 +82,56 @@ def test_a_directory_or_a_missing_file_says_so(tmp_path: Path) -> None:
         load_prompts(tmp_path)
     with pytest.raises(BatchspecError, match="prompts file not found"):
         load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_lines_that_cannot_be_prompts_are_error_records(tmp_path: Path, monkeypatch) -> None:
+    import batchspec.prompts
+
+    monkeypatch.setattr(batchspec.prompts, "MAX_LINE_BYTES", 150_000)
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "\\ud800 x"}\n' + b"[" * 100_000 + b"\n" + b'{"prompt": "' + b"a" * 200_000 + b'"}\n'
+                     + b'{"turns": ["\\udfff"]}\n{"prompt": "fine"}\n')
+    records = load_prompts(path)
+    assert [r.id for r in records] == ["0", "1", "2", "3", "4"]
+    assert "lone surrogate U+D800 at character 1" in records[0].error
+    assert records[1].error == "invalid JSON on line 2: nested too deeply"
+    assert records[2].error.startswith("line 3 is longer than 150000 bytes")
+    assert "lone surrogate U+DFFF" in records[3].error
+    assert (records[4].text, records[4].error) == ("fine", None)
+
+
+def test_lines_split_across_read_chunks_keep_their_numbers(tmp_path: Path, monkeypatch) -> None:
+    """A \\r\\n split between two reads is one line break, not two (ids are line numbers)."""
+    import batchspec.prompts
+
+    monkeypatch.setattr(batchspec.prompts, "_CHUNK", 3)
+    path = tmp_path / "p.txt"
+    path.write_bytes(BOM + b"ab\r\ncd\r\rxyz\nlast")
+    assert [(r.id, r.text) for r in load_prompts(path)] == [("0", "ab"), ("1", "cd"), ("3", "xyz"), ("4", "last")]
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"id": 1, "prompt": "a"}', '{"id": "1", "prompt": "b"}'], "id '1' is on lines 1 and 2"),
+    (['{"id": "3", "prompt": "a"}', "x", "y", "{broken"], "id '3' is on lines 1 and 4"),  # the line number's id
+    (['{"question_id": null, "prompt": "a"}'], "line 1: `question_id` is null"),
+    (['{"id": 1.5, "prompt": "a"}'], "line 1: `id` is a fractional number"),
+    (['{"id": "\\ud800", "prompt": "a"}'], "line 1: `id` is not valid Unicode"),
+])
+def test_one_id_rule(tmp_path: Path, lines: list[str], message: str) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BatchspecError, match=message.replace("\\", "\\\\")):
+        load_prompts(path)
+
+
+def test_devices_are_refused_and_pipes_are_read(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    with pytest.raises(BatchspecError, match="not a regular file or a pipe: /dev/zero"):
+        load_prompts("/dev/zero")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(b"one\ntwo\n"), daemon=True)
+    writer.start()
+    assert [r.text for r in load_prompts(fifo)] == ["one", "two"]

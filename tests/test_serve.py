@@ -392,6 +392,131 @@ def test_dead_engine_loop_answers_503(models, chat_pair) -> None:
         assert_openai_error(code, reply, 503)
 
 
+# ---- hostile requests ------------------------------------------------------------------------------
+@pytest.mark.parametrize("path, field, value", [
+    *(("/v1/completions", f, v) for f, v in [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+        ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2), ("min_tokens", 3),
+        ("ignore_eos", True), ("echo", True), ("best_of", 2), ("suffix", "x"), ("min_p", 0.1)]),
+    *(("/v1/chat/completions", f, v) for f, v in [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_schema"}),
+        ("repetition_penalty", 0.9), ("min_tokens", 1), ("ignore_eos", 1), ("echo", True), ("best_of", 3),
+        ("suffix", "x"), ("logit_bias", {"5": 10})]),
+])
+def test_fields_that_would_change_the_output_are_refused_by_name(server, path, field, value) -> None:
+    url, _ = server
+    body = {"model": MODEL, "max_tokens": 2, "prompt": "the water", "messages": [{"role": "user", "content": "the"}]}
+    body.pop("prompt" if "chat" in path else "messages")
+    code, reply = post(url, path, json.dumps({**body, field: value}))
+    assert f"{field}=" in assert_openai_error(code, reply, 400) and reply["error"]["param"] == field
+    neutral = {"tool_choice": "none", "response_format": {"type": "text"}, "ignore_eos": False, "echo": False,
+               "repetition_penalty": 1.0, "min_tokens": 0, "best_of": 1, "suffix": ""}
+    if field in neutral:  # what changes nothing is served
+        assert post(url, path, json.dumps({**body, field: neutral[field]}))[0] == 200
+
+
+def test_lone_surrogates_and_deep_nesting_are_400s(server) -> None:
+    url, _ = server
+    ok = {"model": MODEL, "max_tokens": 2}
+    cases = [
+        ("/v1/completions", {**ok, "prompt": "\ud800 x"}, "lone surrogate U+D800"),
+        ("/v1/chat/completions", {**ok, "messages": [{"role": "user", "content": "the \udfff"}]}, "messages[0].content"),
+        ("/v1/chat/completions", {**ok, "messages": [{"role": "\ud800", "content": "the"}]}, "messages[0].role"),
+        ("/v1/completions", {**ok, "prompt": "the", "model": "\ud800" * 1000}, "does not exist"),
+    ]
+    for path, body, fragment in cases:
+        code, reply = post(url, path, json.dumps(body))  # json.dumps escapes the surrogate: valid JSON
+        assert fragment in assert_openai_error(code, reply, 400 if "exist" not in fragment else 404), reply
+    for raw in ("[" * 100_000, '{"model": "tiny", "prompt": "the", "user": ' + "[" * 50_000 + "]" * 50_000 + "}",
+                '{"prompt": "the", "seed": ' + "9" * 5000 + "}"):
+        code, reply = post(url, "/v1/completions", raw)
+        assert "invalid JSON body" in assert_openai_error(code, reply, 400)
+    code, reply = post(url, "/v1/completions", json.dumps({**ok, "prompt": "the", "temperature": 1e-39}))
+    assert "temperature must be 0 (greedy) or >= 0.01" in assert_openai_error(code, reply, 400)
+
+
+def _raw_request(url: str, body: bytes, declared: int | None = None, chunked: bool = False) -> socket.socket:
+    """A socket that sent a POST's headers and `body` (with Content-Length `declared`, or chunked)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {declared if declared is not None else len(body)}"
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{length}\r\n\r\n"
+    sock.sendall(head.encode() + (f"{len(body):x}\r\n".encode() + body + b"\r\n" if chunked else body))
+    return sock
+
+
+def _response(sock: socket.socket) -> bytes:
+    """Everything until the server closes the connection."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_body_limit_and_slow_bodies(models, chat_pair) -> None:
+    app = make_app(models, chat_pair, batch_size=1, max_body_bytes=2000, body_timeout=0.5)
+    with serving(app) as url:
+        code, reply = post(url, "/v1/completions", json.dumps({"model": MODEL, "prompt": "the " * 1000}))
+        assert "larger than 2000 bytes" in assert_openai_error(code, reply, 413)
+        with _raw_request(url, b'{"prompt": "' + b"the " * 600 + b'"}', chunked=True) as sock:  # no length given
+            assert _response(sock).startswith(b"HTTP/1.1 413")
+        start = time.monotonic()
+        with _raw_request(url, b'{"prompt": "the', declared=100) as sock:  # 15 of 100 bytes, then silence
+            reply = _response(sock)  # ends: the server closes the connection
+        assert reply.startswith(b"HTTP/1.1 408") and b"--body-timeout" in reply
+        assert time.monotonic() - start < 10
+        assert get(url, "/health")[0] == 200
+
+
+def test_a_large_body_is_tokenized_off_the_event_loop(models, chat_pair, monkeypatch) -> None:
+    """While a 3 MB prompt is tokenized (made to take 3 s here), /health answers within a second."""
+    import batchspec.serve.app
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(3)
+        return encode_prompt(*args, **kwargs)
+
+    monkeypatch.setattr(batchspec.serve.app, "encode_prompt", slow_encode)
+    app = make_app(models, chat_pair, batch_size=1)
+    with serving(app) as url:
+        big = json.dumps({"model": MODEL, "prompt": "the water " * 300_000, "max_tokens": 2})
+        answer: list = []
+        sender = threading.Thread(target=lambda: answer.append(post(url, "/v1/completions", big)))
+        sender.start()
+        time.sleep(0.5)  # the body is in and being tokenized
+        for _ in range(4):
+            start = time.monotonic()
+            with urllib.request.urlopen(url + "/health", timeout=1) as response:
+                assert response.status == 200
+            assert time.monotonic() - start < 1
+            time.sleep(0.3)
+        sender.join(timeout=TIMEOUT)
+    code, reply = answer[0]
+    assert "no room for output" in assert_openai_error(code, reply, 400)
+
+
+def test_empty_api_key_is_refused_and_docs_are_off_by_default(models, chat_pair, capsys) -> None:
+    with pytest.raises(BatchspecError, match="--api-key is empty"):
+        ServeOptions(api_key="")
+    assert main(["serve", "--api-key", "", "--target", "/nonexistent/model"]) == 2  # before any model loads
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("batchspec serve: error: --api-key is empty") and "\n" not in err
+    with serving(make_app(models, chat_pair, batch_size=1)) as url:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert get(url, path)[0] == 404
+    with serving(make_app(models, chat_pair, batch_size=1, api_key="sesame", docs=True)) as url:
+        assert get(url, "/openapi.json")[0] == 401
+        request = urllib.request.Request(url + "/openapi.json", headers={"Authorization": "Bearer sesame"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            assert response.status == 200 and "/v1/completions" in json.loads(response.read())["paths"]
+
+
+def test_serve_refuses_more_drafts_than_the_context_at_start_up(models, chat_pair) -> None:
+    spec = SpecConfig(method="ragged", num_draft_tokens=600, batch_size=1)  # adaptive: costs would be measured
+    with pytest.raises(BatchspecError, match="num_draft_tokens 600 cannot fit the model's context of 512"):
+        create_app(models, chat_pair, spec, ServeOptions())
+
+
 # ---- back-pressure and aborts ----------------------------------------------------------------------
 def long_prompt(oracle, models, max_tokens: int, at_least: int) -> tuple[str, int]:
     """A prompt whose greedy output runs at least `at_least` of `max_tokens` tokens; and its length."""

@@ -20,6 +20,7 @@ from .common import (
     add_sampling_arguments,
     config_from_args,
     add_prompt_format_argument,
+    check_writable,
     finite_float,
     load_models,
     positive_int,
@@ -51,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--calibration-rows must be >= 1, got {args.calibration_rows}")
     if args.margin is not None and args.margin < 0:
         raise BatchspecError(f"--margin must be >= 0, got {args.margin}")
+    inputs = [args.prompts, args.outputs]
+    report = check_writable(args.report, "--report", inputs)  # before the audit: its result must not be lost
+    markdown = check_writable(args.markdown, "--markdown", inputs) if args.markdown else None
     every = load_prompts(args.prompts, args.format)
     records = every[: args.limit]
     beyond_limit = {r.id for r in every[len(records) :]}  # left out on purpose, not missing prompts
@@ -65,19 +69,24 @@ def run(args: argparse.Namespace) -> int:
         margin=args.margin,
         calibration_rows=args.calibration_rows,
     )
-    report = auditor.audit(items)
-    report["config"].update(
+    result = auditor.audit(items)
+    result["config"].update(
         prompts=str(args.prompts),
         outputs=str(args.outputs),
         target=args.target or "bundled",
         chat_template=args.chat_template,
         allow_special_tokens=args.allow_special_tokens,
     )
-    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.report).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    summary = markdown_summary(report)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(summary, encoding="utf-8")
-    print(summary, end="")
+    summary = markdown_summary(result)
+    print(summary, end="")  # first: should writing fail after all, the verdict is still on screen
+    _write(report, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    if markdown is not None:
+        _write(markdown, summary)
     return 0
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8", errors="backslashreplace")
+    except OSError as err:
+        raise BatchspecError(f"cannot write {path}: {err.strerror}") from None

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..config import ModelConfig, SamplingParams, SpecConfig
+from ..config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
 from ..llm import LLM
 from ..models import ModelPair, encode_prompt, load_pair
 from ..prompts import FORMATS
@@ -29,6 +32,27 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def check_writable(path: str | Path, option: str, inputs: Iterable[str | Path] = ()) -> Path:
+    """Make sure a file a command writes at the end can be written, before the command's work: an
+    audit that ran for an hour and then found `--report`'s folder missing lost its result. Creates
+    the folder, probes it with a temporary file, and refuses a path that is one of `inputs`."""
+    target = Path(path)
+    for given in inputs:
+        if target.resolve() == Path(given).resolve():
+            raise BatchspecError(f"{option} {path} is an input of this command: writing it would destroy it")
+    if target.is_dir():
+        raise BatchspecError(f"{option} is a directory, not a file: {path}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as err:
+        raise BatchspecError(f"cannot write {option} {path}: {err.strerror}") from None
+    if target.exists() and not os.access(target, os.W_OK):
+        raise BatchspecError(f"cannot write {option} {path}: it is not writable")
+    return target
 
 
 def positive_int(text: str) -> int:

@@ -9,7 +9,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -42,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", help="write one JSON line per prompt here, in input order (default: print the "
                    "summary only); records go to OUTPUT.partial as prompts finish, so an interrupted run keeps them")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run: keep the records already in "
-                   "--output or its .partial and decode only the prompts that have none")
+                   "--output or its .partial (each checked against its prompt) and decode only the prompts that have "
+                   "none, or only an error record")
+    p.add_argument("--keep-errors", action="store_true", help="with --resume: keep earlier error records too "
+                   "instead of trying those prompts again")
     p.add_argument("--limit", type=positive_int, help="only the first N prompts")
     p.add_argument("--verify", action="store_true", help="also decode each prompt alone, plainly, and count exact matches")
     add_model_arguments(p)
@@ -77,18 +79,19 @@ def run(args: argparse.Namespace) -> int:
     if args.verify and args.temperature > 0 and args.seed is None:
         raise BatchspecError("--verify with --temperature > 0 needs --seed: unseeded sampling has no single "
                              "right answer (use `batchspec verify-distribution` for its distribution)")
-    if args.output and Path(args.output).resolve() == Path(args.prompts).resolve():
-        raise BatchspecError(f"--output is the --prompts file ({args.prompts}): writing it would destroy the prompts")
-    if args.resume:
-        _check_resumable(args, records)
+    if args.resume and not args.output:
+        raise BatchspecError("--resume continues an earlier run's --output: give --output")
+    if args.keep_errors and not args.resume:
+        raise BatchspecError("--keep-errors says which records --resume keeps: give --resume")
     spec = resolve_drafter(model_config(args), config_from_args(SpecConfig, args))
     params = params_for(args, len(records))  # validated before the (slow) model loading
     if args.ray and args.verify:
         raise BatchspecError("--verify decodes every prompt again on this machine; with --ray, run "
                              "`batchspec audit` on the output instead")
     # the output is opened (path checked, lock taken) before any decoding, so a bad path costs nothing
-    with ResumableOutput(args.output, args.resume) if args.output else contextlib.nullcontext() as output:
-        previous = output.previous if output else {}
+    opened = ResumableOutput(args.output, args.resume, {"--prompts": args.prompts}) if args.output else None
+    with opened or contextlib.nullcontext() as output:
+        previous = output.kept(records, args.keep_errors) if output else {}
         todo = [i for i, r in enumerate(records) if r.id not in previous]
         decoded = _decode(args, spec, records, params, todo, output)
         rows = [_row(r, decoded.outputs[i]) if i in decoded.outputs else previous[r.id] for i, r in enumerate(records)]
@@ -121,18 +124,6 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def _check_resumable(args: argparse.Namespace, records: list[PromptRecord]) -> None:
-    """--resume matches earlier records to prompts by id, so it needs an output and unique ids."""
-    if not args.output:
-        raise BatchspecError("--resume continues an earlier run's --output: give --output")
-    seen: set[str] = set()
-    for r in records:
-        if r.id in seen:
-            raise BatchspecError(f"--resume matches records to prompts by id, but id {r.id!r} is on more than one "
-                                 f"line of {args.prompts}")
-        seen.add(r.id)
 
 
 @dataclass

@@ -4,7 +4,8 @@ Each record is appended to `<output>.partial` as soon as its prompt finishes (co
 flushed line by line); only when every prompt is done is the final file written, in input order,
 and the `.partial` removed. Ctrl-C, a crash or a full disk leave the `.partial` behind, and a rerun
 with `--resume` takes its records (and those of an earlier final file) instead of decoding those
-prompts again. An exclusive lock on `<output>.lock` stops two runs from writing one output.
+prompts again: records checked field by field and against this run's prompts, error records
+decoded again unless `--keep-errors`. None of these files may be an input of the run. An exclusive lock on `<output>.lock` stops two runs from writing one output.
 """
 
 from __future__ import annotations
@@ -15,23 +16,85 @@ import os
 import sys
 from pathlib import Path
 from types import TracebackType
+import warnings
+from collections.abc import Callable
 from typing import TextIO
 
 from ..config import BatchspecError
+from ..prompts import PromptRecord
+
+
+SIDE_SUFFIXES = (".partial", ".lock", ".tmp")  # the files a run writes next to its output
 
 
 def _sibling(path: Path, suffix: str) -> Path:
     return path.with_name(path.name + suffix)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """One file under two names: the same path once resolved (symlinks, `..`), or a hard link."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (yet)
+        return False
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ints(value: object) -> bool:
+    return isinstance(value, list) and all(map(_is_int, value))
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _is_text(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_optional_text(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+# What a record of `generate` holds (RequestOutput.to_json plus `id`, less `index`), checked field by
+# field when --resume would keep a record: a hand-edited or foreign line is decoded again instead.
+RECORD_FIELDS: dict[str, Callable[[object], bool]] = {
+    "id": _is_text, "prompt": _is_text, "prompt_token_ids": _is_ints, "text": _is_text, "token_ids": _is_ints,
+    "finish_reason": _is_optional_text, "error": _is_optional_text, "rounds": _is_int, "drafted": _is_int,
+    "accepted": _is_int, "proposed_k": _is_ints, "chosen_k": _is_ints, "accepted_k": _is_ints,
+    "time_to_first_token": lambda v: v is None or _is_number(v), "latency": lambda v: v is None or _is_number(v),
+    "token_times": lambda v: isinstance(v, list) and all(map(_is_number, v)),
+}
+
+
+def record_problem(row: dict) -> str | None:
+    """Why `row` is not a whole record of `generate`, or None."""
+    for name, valid in RECORD_FIELDS.items():
+        if name not in row:
+            return f"no `{name}`"
+        if not valid(row[name]):
+            return f"`{name}` has the wrong type"
+    if row["error"] is None and not (row["token_ids"] and isinstance(row["finish_reason"], str)):
+        return "neither an `error` nor generated `token_ids` with a `finish_reason`"
+    if row["error"] is not None and row["token_ids"]:
+        return "an `error` and `token_ids` both"
+    return None
+
+
 def read_records(path: Path) -> dict[str, dict]:
     """Records of an earlier run's output or .partial, by id; lines that are not whole records (the
-    torn last line of a killed run) are skipped, so those prompts are decoded again."""
+    torn last line of a killed run, a line nested too deeply to parse) are skipped, so those prompts
+    are decoded again."""
     records: dict[str, dict] = {}
     for raw in path.read_bytes().splitlines():
         try:
             row = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             continue
         if isinstance(row, dict) and isinstance(row.get("id"), str):
             records[row["id"]] = row
@@ -42,15 +105,18 @@ class ResumableOutput:
     """The output file of one `generate` run; use as a context manager, call `write` for each
     finished record and `finish` once every prompt has one.
 
-    Opening it checks the path, takes the lock and (with `resume`) reads the earlier records into
-    `previous`, all before any model is loaded, so a bad path costs nothing.
+    Opening it checks the path (none of its files may be one of `inputs`: the run would delete or
+    overwrite it), takes the lock and (with `resume`) reads the earlier records into `previous`, all
+    before any model is loaded, so a bad path costs nothing. `kept` then says which of them belong
+    to this run's prompts.
     """
 
-    def __init__(self, path: str | Path, resume: bool) -> None:
+    def __init__(self, path: str | Path, resume: bool, inputs: dict[str, str | Path] | None = None) -> None:
         self.path = Path(path)
         self.partial = _sibling(self.path, ".partial")
         self.lock_path = _sibling(self.path, ".lock")
         self.written = 0
+        self._refuse_inputs(inputs or {})
         self._check_path()
         self._lock_fd = self._lock()
         try:
@@ -62,6 +128,44 @@ class ResumableOutput:
         except BaseException:
             self._unlock()
             raise
+
+    def _refuse_inputs(self, inputs: dict[str, str | Path]) -> None:
+        """`--prompts o.lock -o o` would delete the prompts, `--prompts o.tmp` overwrite them, and
+        `--prompts o.partial --resume` read them as finished records: refused before anything is touched."""
+        own = {"the --output file": self.path, **{f"--output's {suffix} file": _sibling(self.path, suffix)
+                                                  for suffix in SIDE_SUFFIXES}}
+        for option, given in inputs.items():
+            for what, path in own.items():
+                if _same_file(Path(given), path):
+                    raise BatchspecError(f"{option} {given} is {what} {path}: the run would destroy it; "
+                                         f"choose another --output")
+
+    def kept(self, records: list[PromptRecord], keep_errors: bool) -> dict[str, dict]:
+        """The earlier records this run keeps, by id: whole records (`record_problem`; the others are
+        decoded again, with a warning) of a prompt of `records` with the same text, and, unless
+        `keep_errors`, without an error (a refusal may not recur: a prompt fixed since, a bug fixed).
+        A record whose prompt text differs was written for another prompts file: refused."""
+        by_id = {r.id: r for r in records}
+        kept: dict[str, dict] = {}
+        broken: list[str] = []
+        for rid, row in self.previous.items():
+            record = by_id.get(rid)
+            if record is None:
+                continue
+            problem = record_problem(row)
+            if problem is not None:
+                broken.append(f"id {rid!r}: {problem}")
+                continue
+            if row["prompt"] != record.text:
+                raise BatchspecError(f"--resume: the record of id {rid!r} in {self.path} or {self.partial} was written "
+                                     f"for another prompt than line {record.line}'s: resume with the prompts file "
+                                     f"of that run, or delete {self.path} and {self.partial} to start over")
+            if row["error"] is None or keep_errors:
+                kept[rid] = row
+        if broken:
+            warnings.warn(f"--resume: {len(broken)} earlier record(s) are not whole records of batchspec generate and "
+                          f"are decoded again ({broken[0]})", stacklevel=2)
+        return kept
 
     def _check_path(self) -> None:
         if self.path.is_dir():

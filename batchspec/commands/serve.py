@@ -7,10 +7,12 @@ import socket
 from pathlib import Path
 
 from ..config import BatchspecError, SpecConfig
+from ..serve.app import DEFAULT_MAX_BODY_BYTES
 from .common import (
     add_decoding_arguments,
     add_model_arguments,
     config_from_args,
+    finite_float,
     load_models,
     model_config,
     positive_int,
@@ -25,7 +27,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="TCP port")
     g.add_argument("--served-model-name", help="the model name clients send (default: the target's folder or file "
                    "name, or 'bundled')")
-    g.add_argument("--api-key", help="require `Authorization: Bearer API_KEY` on /v1 routes (default: open)")
+    g.add_argument("--api-key", help="require `Authorization: Bearer API_KEY` on /v1 routes (default: open; an "
+                   "empty key is refused)")
+    g.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies are answered 413 without being read")
+    g.add_argument("--body-timeout", type=finite_float, default=30.0,
+                   help="seconds a client has to send a request's body; slower ones get 408 and are disconnected")
+    g.add_argument("--timeout-keep-alive", type=positive_int, default=5,
+                   help="seconds an idle keep-alive connection stays open (uvicorn's)")
+    g.add_argument("--docs", action="store_true", help="serve FastAPI's /docs, /redoc and /openapi.json (behind "
+                   "--api-key when one is given)")
     g.add_argument("--max-model-len", type=positive_int, help="tokens per request, prompt + output; the K/V buffer "
                    "holds this many (plus a round of drafts) for every row (default: min(model context, 2048))")
     g.add_argument("--max-waiting", type=positive_int, default=256,
@@ -42,12 +53,14 @@ def run(args: argparse.Namespace) -> int:
 
     spec = config_from_args(SpecConfig, args)
     config = model_config(args)
+    options = ServeOptions(args.served_model_name or _model_name(config.target), args.max_model_len, args.max_waiting,
+                           args.api_key, args.max_body_bytes, args.body_timeout, args.docs)  # checked: no model yet
     listener = _listen(args.host, args.port)  # before the (slow) model loading: a taken port fails at once
     with listener:
         models = load_models(args, need_draft=spec.speculative)
-        name = args.served_model_name or _model_name(config.target)
-        app = create_app(models, config, spec, ServeOptions(name, args.max_model_len, args.max_waiting, args.api_key))
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        app = create_app(models, config, spec, options)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                               timeout_keep_alive=args.timeout_keep_alive))
         server.run(sockets=[listener])
     return 0
 

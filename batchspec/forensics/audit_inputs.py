@@ -7,14 +7,13 @@ instead of stopping. Rows need an `id` plus `token_ids` (a list of ints) or only
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import BatchspecError
-from ..prompts import PromptRecord, decode_line, read_lines
+from ..prompts import PromptRecord, decode_line, parse_json_line, read_lines, unicode_problem
 
 
 @dataclass
@@ -44,6 +43,8 @@ def _output_item(obj: Any, line_no: int) -> AuditItem:
         item.error = f"the run reported an error: {obj['error']}"
     elif _int_list(obj.get("token_ids")) is not None:
         item.token_ids = _int_list(obj["token_ids"])
+    elif isinstance(obj.get("text"), str) and unicode_problem(obj["text"]):
+        item.error = f"output `text`: {unicode_problem(obj['text'])}"
     elif isinstance(obj.get("text"), str):
         item.text = obj["text"]
     else:
@@ -54,8 +55,8 @@ def _output_item(obj: Any, line_no: int) -> AuditItem:
 def read_outputs(path: str | Path) -> list[AuditItem]:
     """Output rows of any program, one JSON object a line; unreadable lines become error items.
 
-    Lines are split as bytes and decoded one at a time, so one line that is not UTF-8 costs that
-    line only; a UTF-8 byte-order mark (Windows editors write one) is dropped.
+    Lines are split as bytes and decoded one at a time, so one line that is not UTF-8 (or too long,
+    or nested too deeply to parse) costs that line only; a UTF-8 byte-order mark (Windows editors write one) is dropped.
     """
     items = []
     for i, raw in enumerate(read_lines(Path(path), "outputs"), start=1):
@@ -65,10 +66,8 @@ def read_outputs(path: str | Path) -> list[AuditItem]:
             continue
         if not line.strip():
             continue
-        try:
-            items.append(_output_item(json.loads(line), i))
-        except json.JSONDecodeError as err:
-            items.append(AuditItem(f"line {i}", error=f"invalid JSON on line {i}: {err.msg}"))
+        obj, error = parse_json_line(line, i)
+        items.append(AuditItem(f"line {i}", error=error) if error else _output_item(obj, i))
     return items
 
 

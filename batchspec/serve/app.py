@@ -1,11 +1,13 @@
 """The HTTP side of `batchspec serve`: an OpenAI-compatible FastAPI app around one EngineLoop.
 
-Everything here is async and never touches the engine: a request is encoded, validated (400 at
-once if it can never be served), submitted to the engine loop (429 when the waiting queue is full,
-503 when the loop has died), and answered from its updates, as one JSON body or as server-sent
-events (one chunk per update, so a round that accepts several tokens is one chunk). A response
-that ends early, because the client went away or a stop string was found, aborts its request, so
-its row stops costing compute before the next round.
+Everything here is async and never touches the engine: a request's body is read (413 beyond
+`--max-body-bytes`, 408 when it takes longer than `--body-timeout`), then parsed, encoded and
+validated in a worker thread (400 at once if it can never be served: a 4 MB prompt tokenizes for
+seconds, and on the event loop it stalled every other client and `/health`), submitted to the
+engine loop (429 when the waiting queue is full, 503 when the loop has died), and answered from its
+updates, as one JSON body or as server-sent events (one chunk per update, so a round that accepts
+several tokens is one chunk). A response that ends early, because the client went away or a stop
+string was found, aborts its request, so its row stops costing compute before the next round.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,30 +25,48 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..config import BatchspecError, ModelConfig, SpecConfig
+from ..config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
 from ..llm import LLM
 from ..methods import METHODS
 from ..models import ModelPair, encode_prompt
 from .loop import EngineLoop, EngineUnavailable, QueueFull, RequestHandle
 from .metrics import Metrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Request
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Request, short_repr
 from .text import TextStream, encode_chat
+
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20  # a prompt filling a 32k-token context is ~150 KB of text
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """Server settings beyond the models and decoding (see `batchspec serve --help`)."""
+    """Server settings beyond the models and decoding (see `batchspec serve --help`). `docs` serves
+    FastAPI's /docs, /redoc and /openapi.json (behind the key when there is one)."""
 
     served_model_name: str = "bundled"
     max_model_len: int | None = None  # None: min(model context, 2048)
     max_waiting: int = 256
     api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout: float = 30.0  # seconds to receive a request's whole body
+    docs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            # what `--api-key "$KEY"` gives when KEY is unset: it must not start an open server silently
+            raise BatchspecError("--api-key is empty (an unset variable?): give the key, or leave --api-key out "
+                                 "to serve without one")
+        if self.max_body_bytes < 1:
+            raise BatchspecError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if not self.body_timeout > 0:
+            raise BatchspecError(f"--body-timeout must be > 0, got {self.body_timeout}")
 
 
 @dataclass
@@ -67,31 +88,19 @@ class _Server:
         self.metrics = Metrics(options.served_model_name, engine.k)
         self.loop = EngineLoop(engine, self.metrics, options.max_model_len, options.max_waiting)
         self.tokenizer = models.tokenizer
+        self._tokenizer_lock = threading.Lock()
         self.model_config = model_config
         self.options = options
         self.created = int(time.time())
 
     # ---- endpoints ----------------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest) -> Response:
-        self._check(body)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            ids = self._encode(lambda: encode_prompt(self.tokenizer, prompt, False,
-                                                     self.model_config.allow_special_tokens), "prompt")
-        else:
-            ids = list(prompt)
-        return self._respond(body, ids, chat=False)
+    async def completions(self, request: Request) -> Response:
+        raw = await self._body(request)
+        return self._respond(*await anyio.to_thread.run_sync(self._prepare_completion, raw), chat=False)
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        self._check(body)
-        if not self.model_config.chat_template:
-            raise APIError(400, "the chat template is off (--no-chat-template): use /v1/completions", "messages")
-        if not body.messages:
-            raise APIError(400, "messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = self._encode(lambda: encode_chat(self.tokenizer, messages, self.model_config.allow_special_tokens),
-                           "messages")
-        return self._respond(body, ids, chat=True)
+    async def chat_completions(self, request: Request) -> Response:
+        raw = await self._body(request)
+        return self._respond(*await anyio.to_thread.run_sync(self._prepare_chat, raw), chat=True)
 
     async def models(self) -> dict[str, Any]:
         card = {"id": self.options.served_model_name, "object": "model", "created": self.created,
@@ -108,22 +117,69 @@ class _Server:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- one request --------------------------------------------------------------------------
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, at most `max_body_bytes` (413) and received within `body_timeout`
+        seconds (408: a client sending a byte a minute would hold its connection forever)."""
+        limit = self.options.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        try:
+            with anyio.fail_after(self.options.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(limit)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.options.body_timeout:g} s "
+                           "(--body-timeout)", code="request_timeout") from None
+        return b"".join(chunks)
+
+    def _prepare_completion(self, raw: bytes) -> tuple[_Request, list[int], SamplingParams]:
+        """Parse, check and encode a completion (in a worker thread: tokenizing may take seconds)."""
+        body = _parse(raw, CompletionRequest)
+        self._check(body)
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            ids = self._encode(lambda: encode_prompt(self.tokenizer, prompt, False,
+                                                     self.model_config.allow_special_tokens), "prompt")
+        else:
+            ids = list(prompt)
+        return body, *self._validate(body, ids, "prompt")
+
+    def _prepare_chat(self, raw: bytes) -> tuple[_Request, list[int], SamplingParams]:
+        """Parse, check and render a chat completion (in a worker thread, as `_prepare_completion`)."""
+        body = _parse(raw, ChatCompletionRequest)
+        self._check(body)
+        if not self.model_config.chat_template:
+            raise APIError(400, "the chat template is off (--no-chat-template): use /v1/completions", "messages")
+        if not body.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = self._encode(lambda: encode_chat(self.tokenizer, messages, self.model_config.allow_special_tokens),
+                           "messages")
+        return body, *self._validate(body, ids, "messages")
+
     def _check(self, body: _Request) -> None:
         if body.model is not None and body.model != self.options.served_model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist (this server serves "
+            raise APIError(404, f"The model {short_repr(body.model)} does not exist (this server serves "
                            f"`{self.options.served_model_name}`)", "model", "model_not_found")
         body.refuse_unsupported()
 
-    @staticmethod
-    def _encode(encode: Callable[[], list[int]], param: str) -> list[int]:
+    def _encode(self, encode: Callable[[], list[int]], param: str) -> list[int]:
+        """Run `encode` under the tokenizer's lock: requests are encoded in worker threads, and two
+        encodings at once gave wrong ids (tokenizing switches settings of the shared tokenizer)."""
         try:
-            return encode()
+            with self._tokenizer_lock:
+                return encode()
         except BatchspecError as err:
             raise APIError(400, str(err), param) from err
 
-    def _respond(self, body: _Request, ids: list[int], chat: bool) -> Response:
-        """Validate, submit, and answer: every refusal happens here, before anything is queued."""
-        limit, field = self.loop.max_model_len, "messages" if chat else "prompt"
+    def _validate(self, body: _Request, ids: list[int], field: str) -> tuple[list[int], SamplingParams]:
+        """Every refusal a request can get before it is queued (a 400 naming the field)."""
+        limit = self.loop.max_model_len
         if len(ids) >= limit:
             raise APIError(400, f"prompt of {len(ids)} tokens leaves no room for output in the context of {limit} "
                            "tokens (--max-model-len)", field)
@@ -133,10 +189,14 @@ class _Server:
             raise APIError(400, f"prompt of {len(ids)} tokens + max_tokens {params.max_new_tokens} exceeds the context "
                            f"of {limit} tokens (--max-model-len)", "max_tokens")
         try:
-            ids = self.loop.validate(ids, params)
-            handle = self.loop.submit(ids, params)
+            return self.loop.validate(ids, params), params
         except BatchspecError as err:
             raise APIError(400, str(err), field) from err
+
+    def _respond(self, body: _Request, ids: list[int], params: SamplingParams, chat: bool) -> Response:
+        """Submit a validated request and answer it."""
+        try:
+            handle = self.loop.submit(ids, params)
         except QueueFull as err:
             raise APIError(429, str(err), code="queue_full") from err
         except EngineUnavailable as err:
@@ -146,6 +206,30 @@ class _Server:
         if body.stream:
             return _StreamedResponse(handle, reply.events(_pieces(handle, stream), stream))
         return _AwaitedResponse(handle, lambda: reply.whole(_pieces(handle, stream), stream))
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes (--max-body-bytes)", code="request_too_large")
+
+
+def _parse(raw: bytes, model: type[_Request]) -> _Request:
+    """A request body as `model`, or a 400: invalid JSON (or UTF-8), JSON nested deeper than Python
+    parses (a RecursionError), an integer of more digits than Python converts (a ValueError), or
+    the first field that does not validate, named as the API spells it."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "invalid JSON body: nested too deeply") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        raise APIError(400, f"invalid JSON body: {err}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"], where or None) from None
+    except RecursionError:
+        raise APIError(400, "a field is nested too deeply") from None
 
 
 async def _pieces(handle: RequestHandle, stream: TextStream) -> AsyncIterator[_Piece]:
@@ -283,15 +367,15 @@ class _AwaitedResponse(Response):
 
 
 class _BearerAuth:
-    """With --api-key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health
-    and /metrics stay open, as in vLLM, for load balancers and scrapers."""
+    """With --api-key, every /v1 route (and the API docs, when served) needs `Authorization: Bearer
+    <key>` (401 otherwise); /health and /metrics stay open, as in vLLM, for load balancers and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in DOCS_PATHS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
@@ -315,16 +399,6 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return APIError(500, f"internal server error: {type(exc).__name__}").response()
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 body, as OpenAI's 400: the first problem, named by its field."""
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}").response()
-    where = ".".join(loc)
-    return APIError(400, f"{where}: {first['msg']}" if where else first["msg"], where or None).response()
-
-
 def create_app(models: ModelPair, model_config: ModelConfig, spec: SpecConfig, options: ServeOptions) -> FastAPI:
     """The app; the engine's K/V is reserved here (so a budget that cannot hold one row fails
     before serving), and its loop thread runs while the app does (lifespan)."""
@@ -336,7 +410,8 @@ def create_app(models: ModelPair, model_config: ModelConfig, spec: SpecConfig, o
         yield
         await asyncio.to_thread(server.loop.close)
 
-    app = FastAPI(title="batchspec", lifespan=lifespan)
+    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="batchspec", lifespan=lifespan, **docs)
     app.state.engine_loop = server.loop
     app.state.metrics = server.metrics
     app.post("/v1/completions")(server.completions)
@@ -345,7 +420,6 @@ def create_app(models: ModelPair, model_config: ModelConfig, spec: SpecConfig, o
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics_text)
     app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     if options.api_key:

@@ -2,13 +2,15 @@
 
 Request models are strict (a string where a number belongs is a 400, not silently converted) and
 keep unknown fields (clients send `user`, `metadata`, ...), but a field that would change the
-output in a way batchspec does not implement (logprobs, penalties, n > 1, ...) is refused with a
-400 naming it, never silently ignored. Ranges (negative, NaN, ...) are checked by SamplingParams,
-the same check the Python API and the CLI use.
+output in a way batchspec does not implement (logprobs, penalties, tools, response formats, n > 1,
+...: `UNSUPPORTED`) is refused with a 400 naming it, never silently ignored. Ranges (negative, NaN,
+...) are checked by SamplingParams, the same check the Python API and the CLI use.
 """
 
 from __future__ import annotations
 
+import json
+import reprlib
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -35,7 +37,50 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return _AsciiJSONResponse(self.body(), status_code=self.status)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: an error message may quote what the client sent, and
+    a lone surrogate in it cannot be encoded as UTF-8 (the answer would have become a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def short_repr(value: object) -> str:
+    """A client's value as an error message quotes it: bounded in length and depth (it may be 4 MB,
+    or nested 100k levels)."""
+    short = reprlib.Repr()  # Python 3.11's takes no keyword arguments
+    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 2, 60, 60, 4, 4
+    return short.repr(value)
+
+
+# Fields of OpenAI's API (and vLLM's extra ones) that change the output, which batchspec does not
+# implement, each with the values that change nothing. A request setting one to anything else gets a
+# 400 naming it; a client that asked for JSON output, a tool call or a penalty must not get plain text
+# as if it had not asked.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1), "logit_bias": (None, {}), "min_p": (None, 0), "min_tokens": (None, 0),
+    "ignore_eos": (None, False), "use_beam_search": (None, False), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+}
+
+
+def _same(value: object, neutral: object) -> bool:
+    """`value == neutral` as JSON means it: true is not 1, but 1.0 is 1."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
 
 
 class StreamOptions(BaseModel):
@@ -60,6 +105,8 @@ class _Request(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False  # extra body, as vLLM: token ids alongside the text
+    # set to anything but a neutral value, these are refused (UNSUPPORTED); typed, so a wrong type
+    # is reported as such
     logprobs: Any = None
     top_logprobs: int | None = None
     presence_penalty: float | None = None
@@ -67,23 +114,13 @@ class _Request(BaseModel):
     logit_bias: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
-        """A 400 for any field set to something that would change the output and is not implemented."""
-        unsupported = {
-            "n": self.n not in (None, 1),
-            "logprobs": self.logprobs not in (None, False, 0),
-            "top_logprobs": self.top_logprobs not in (None, 0),
-            "presence_penalty": self.presence_penalty not in (None, 0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0),
-            "logit_bias": bool(self.logit_bias),
-            **self._unsupported(),
-        }
-        for name, refused in unsupported.items():
-            if refused:
+        """A 400 for the first field of UNSUPPORTED set to something that would change the output."""
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
+            if not any(_same(value, v) for v in neutral):
                 hint = " (send one request per completion)" if name == "n" else ""
-                raise APIError(400, f"{name}={getattr(self, name)!r} is not supported by this server{hint}", name)
-
-    def _unsupported(self) -> dict[str, bool]:
-        return {}
+                raise APIError(400, f"{name}={short_repr(value)} is not supported by this server{hint}", name)
 
     def token_budget(self) -> int | None:
         return self.max_tokens
@@ -120,9 +157,6 @@ class CompletionRequest(_Request):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
-
-    def _unsupported(self) -> dict[str, bool]:
-        return {"echo": bool(self.echo), "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
 
     def token_budget(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..config import BatchspecError
 from ..models import special_spans, tokenize, encode_prompt
+from ..prompts import unicode_problem
 
 # Stand in for message contents when the template is rendered alone, to find where each goes in the
 # rendered string; only ever searched for, never tokenized.
@@ -33,6 +34,11 @@ def encode_chat(
     """
     if not tokenizer.chat_template:
         raise BatchspecError("this model has no chat template: use /v1/completions")
+    for i, message in enumerate(messages):
+        for key in ("role", "content"):
+            problem = unicode_problem(message[key])
+            if problem is not None:  # no tokenizer takes it (the fast ones raise a TypeError)
+                raise BatchspecError(f"messages[{i}].{key}: {problem}")
     try:
         return _encode_chat(tokenizer, messages, allow_special_tokens)
     except TemplateError as err:  # templates reject conversations themselves (e.g. roles that do not alternate)
