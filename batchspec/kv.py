@@ -240,9 +240,9 @@ def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     same bits (torch's fused SDPA kernel blocks queries and keys by the shapes it is given, so they
     round differently). Every row's visible keys are compacted to the front (`_KeyPlan`), key j
     being the row's j-th token wherever its slot was; scores come from one matmul with at least
-    _MIN_QUERY_ROWS rows, the softmax runs along zero-padded rows aligned at key 0 (its vector sums
-    add padding's zeros lane by lane, which changes nothing), and P @ V runs in _KEY_BLOCK-key blocks
-    added in order. Grouped K/V heads are read in place (query heads folded onto their K/V head).
+    _MIN_QUERY_ROWS rows, the softmax runs along rows padded with -inf to whole blocks and aligned at
+    key 0 (its vector sums add the padding's zeros lane by lane, which changes nothing), and P @ V runs
+    in _KEY_BLOCK-key blocks (the last one zero-padded) added in key order. Grouped K/V heads are read in place (query heads folded onto their K/V head).
 
     query [b, hq, m, d]; key, value [b, hkv, l, d]; attention_mask [b, 1, m, l] bool (True: attend)
     or None (causal: query i sees keys [0, l - m + i]). Returns [b, m, hq, d] as transformers wants."""
@@ -263,23 +263,29 @@ def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         visible = visible.gather(2, order[:, None, :].expand(b, m, width))
     else:
         key, value, visible = key[:, :, :width], value[:, :, :width], visible[..., :width]
-    padded = -(-width // _KEY_BLOCK) * _KEY_BLOCK
+    full, tail = divmod(width, _KEY_BLOCK)
+    blocks = full + (tail > 0)
+    padded = blocks * _KEY_BLOCK
     rows = max(g * m, _MIN_QUERY_ROWS)
-    key = torch.nn.functional.pad(key, (0, 0, 0, padded - width))  # [b, hkv, L, d], zeros: 0 * 0 in P @ V
-    value = torch.nn.functional.pad(value, (0, 0, 0, padded - width))
     q = torch.nn.functional.pad(query.reshape(b, hkv, g * m, d), (0, 0, 0, rows - g * m))  # [b, hkv, R, d]
     sees = visible[:, None, None].expand(b, 1, g, m, width).reshape(b, 1, g * m, width)
     sees = torch.nn.functional.pad(sees, (0, padded - width, 0, rows - g * m), value=False)
     sees[..., 0] |= ~sees.any(dim=-1)  # a query that sees nothing (padding) reads key 0, not NaN
     scale = scaling if scaling is not None else d ** -0.5
+    key = torch.nn.functional.pad(key, (0, 0, 0, padded - width))  # [b, hkv, L, d]: MKL rounds few columns otherwise
     scores = (q @ key.transpose(-1, -2)) * scale  # [b, hkv, R, L]
     probs = torch.softmax(scores.masked_fill_(~sees, float("-inf")), dim=-1)
-    blocks = padded // _KEY_BLOCK
-    parts = probs.view(b, hkv, rows, blocks, _KEY_BLOCK).transpose(2, 3).contiguous() @ value.view(
-        b, hkv, blocks, _KEY_BLOCK, d)  # [b, hkv, blocks, R, d]
-    out = parts[:, :, 0]
-    for block in range(1, blocks):
-        out = out + parts[:, :, block]
+    probs = probs.view(b, hkv, rows, blocks, _KEY_BLOCK).transpose(2, 3).contiguous()  # [b, hkv, blocks, R, B]
+    parts = []  # [b, hkv, *, R, d]: full blocks straight from the K/V buffer, the last one zero-padded
+    if full:
+        parts.append(probs[:, :, :full] @ value[:, :, : full * _KEY_BLOCK].reshape(b, hkv, full, _KEY_BLOCK, d))
+    if tail:
+        last = torch.nn.functional.pad(value[:, :, full * _KEY_BLOCK :], (0, 0, 0, _KEY_BLOCK - tail))
+        parts.append(probs[:, :, full:] @ last[:, :, None])
+    blocks_out = [part[:, :, i] for part in parts for i in range(part.shape[2])]  # in key order
+    out = blocks_out[0]
+    for block in blocks_out[1:]:
+        out = out + block
     out = out[:, :, : g * m].reshape(b, hkv, g, m, d).reshape(b, hq, m, d)
     return out.transpose(1, 2).contiguous(), None
 

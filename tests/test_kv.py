@@ -188,3 +188,16 @@ def test_models_whose_code_tests_for_sdpa_keep_it_and_say_so():
     assert not use_exact_attention(model)
     assert model.config._attn_implementation == "sdpa"
     assert attention_path(model) == "sdpa (not batch-invariant)"
+
+
+def test_rows_shorter_and_longer_than_a_key_block_give_plain_decodings_logits(threads):
+    """P @ V runs in fixed key blocks: a 100-token row computed beside a 300-token one (its keys then
+    span whole blocks read in place) equals the same row alone (one zero-padded block)."""
+    model = _exact_model("qwen2")
+    prompts = [[(3 * i + r) % 90 + 3 for i in range(n)] for r, n in enumerate((100, 300, 129))]
+    plain = [_plain_logits(model, p, f[:4]) for p, f in zip(prompts, FOLLOW)]
+    layout = RaggedLayout(model, 3, 320)
+    first = layout.prefill(prompts)
+    logits = layout.forward(torch.tensor([f[:3] for f in FOLLOW]))
+    for r in range(3):
+        assert torch.equal(first[r], plain[r][0]) and torch.equal(logits[r], plain[r][1:4]), r
