@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .config import BatchspecError
+from .errors import BatchspecError
 
 _COPY_BLOCK = 8 * 1024 * 1024
 # Written last into a converted folder; records which GGUF it came from and how it was converted,

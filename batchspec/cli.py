@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import NoReturn
 
-from .config import BatchspecError
+from .errors import BatchspecError
 
 DESCRIPTION = "Batched speculative decoding that produces exactly what plain decoding produces."
 COMMANDS = {

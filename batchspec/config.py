@@ -7,14 +7,8 @@ import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .errors import BatchspecError
 from .methods import METHODS, SCHEDULERS, correct_methods, method_help, wrong_methods
-
-
-class BatchspecError(Exception):
-    """An error the user can act on (bad input, missing files, incompatible models).
-
-    The CLI prints its message as one line instead of a traceback.
-    """
 
 
 def option(default: Any, help: str, *flags: str, **argparse_kwargs: Any) -> Any:

@@ -26,7 +26,7 @@ from .sequence import Sequence
 from .speculation import RoundPlan, Speculation, make_speculation
 
 # Called after every round with what to verify and the round's number; raises on a broken invariant.
-# Injected (batchspec.methods.build_engine), so the engine never depends on the forensics package.
+# Injected (batchspec.build.build_engine), so the engine never depends on the forensics package.
 RoundChecker = Callable[[list[LayoutView], int], None]
 
 

@@ -29,7 +29,7 @@ from transformers.cache_utils import (
 )
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .config import BatchspecError
+from .errors import BatchspecError
 
 
 class _SlotLayer(CacheLayerMixin):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig, resolve_drafter
 from .costs import Costs
 from .engine import Engine, EngineStats
-from .methods import build_engine
+from .build import build_engine
 from .models import ModelPair, encode_prompt, eos_token_ids, load_pair
 from .sequence import Sequence
 

@@ -1,7 +1,7 @@
-"""Every decoding method in one table, and the one factory that turns a SpecConfig into an engine.
+"""Every decoding method in one table.
 
 Configuration checks (`config.py`), the CLI's choices and help, the bench's method specs and
-`build_engine` all read this table, so a method is added (or its default scheduler changed) in
+`build.build_engine` all read this table, so a method is added (or its default scheduler changed) in
 one place. Classes are named as "module:Class" and imported only when an engine is built: the table
 stays importable from `config.py` without torch, and the deliberately wrong methods' code
 (`batchspec.forensics.broken`) is loaded only when one of them is asked for.
@@ -10,16 +10,10 @@ stays importable from `config.py` without torch, and the deliberately wrong meth
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
-
-    from .config import SpecConfig
-    from .costs import Costs
-    from .drafters import Drafter
     from .engine import Engine
     from .layouts import Layout
 
@@ -33,7 +27,7 @@ _BROKEN = "batchspec.forensics.broken"
 _STATEFUL = "batchspec.layouts.stateful:StatefulLayout"
 
 
-def _resolve(path: str) -> Any:
+def resolve(path: str) -> Any:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -61,10 +55,10 @@ class Method:
         return self.schedulers[0]
 
     def layout_class(self) -> type:
-        return _resolve(self.layout)
+        return resolve(self.layout)
 
     def engine_class(self) -> type:
-        return _resolve(self.engine)
+        return resolve(self.engine)
 
 
 METHODS: dict[str, Method] = {
@@ -101,68 +95,3 @@ def wrong_methods() -> list[str]:
 def method_help() -> str:
     """One line per method, for the CLI."""
     return "; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
-
-
-def build_engine(
-    target: torch.nn.Module,
-    spec: SpecConfig,
-    stop_ids: Iterable[int] = (),
-    draft_model: torch.nn.Module | None = None,
-    drafter: Drafter | None = None,
-    costs: Costs | None = None,
-) -> Engine:
-    """The engine for `spec.method`, with the method's layout (its stateful layout for a model with
-    recurrent state), and the per-round invariant checker injected when `spec.check_invariants` asks
-    for it (the engine itself knows nothing of forensics). `costs`: the cost model adaptive
-    speculation decides on (None: measured when first needed)."""
-    import torch
-
-    from .config import half_precision_refusal
-
-    dtype = next(target.parameters()).dtype
-    if dtype in (torch.bfloat16, torch.float16):
-        raise half_precision_refusal(str(dtype).removeprefix("torch."))
-    method = METHODS[spec.method]
-    checker = None
-    if spec.check_invariants:
-        from .forensics.invariants import check_views
-
-        checker = check_views
-    layout = _stateful_layouts(method, spec, target, draft_model) or method.layout_class()
-    return method.engine_class()(
-        target, spec, layout, stop_ids, draft_model=draft_model, drafter=drafter, checker=checker, costs=costs,
-    )
-
-
-def _stateful_layouts(
-    method: Method, spec: SpecConfig, target: torch.nn.Module, draft_model: torch.nn.Module | None
-) -> Callable[[torch.nn.Module, int, int], Layout] | None:
-    """When the target or the drafter has recurrent state, a layout factory (called like a Layout
-    class) that puts each stateful model on the method's stateful layout and any other model on its
-    usual one (an attention drafter of a stateful target keeps its cursors); else None. Methods
-    without a stateful layout are refused for such models with one line."""
-    from .config import BatchspecError
-    from .kv import is_stateful
-
-    stateful = [m for m in (target, draft_model) if m is not None and is_stateful(m)]
-    if method.needs_state and not is_stateful(target):
-        raise BatchspecError(
-            f"method {method.name} breaks recurrent state on purpose: it needs a target with recurrent state"
-        )
-    if not stateful:
-        return None
-    kind = stateful[0].config.get_text_config().model_type
-    if method.stateful_layout is None:
-        able = ", ".join(name for name, m in METHODS.items() if m.stateful_layout and not m.deliberately_wrong)
-        raise BatchspecError(
-            f"method {method.name} cannot decode {kind} (recurrent state: pad tokens and realignment would enter it); "
-            f"use {able}"
-        )
-    if spec.max_prefill_tokens is not None:
-        raise BatchspecError(f"chunked prefill (max_prefill_tokens) is not supported for {kind} (recurrent state) yet")
-    plain, with_state = method.layout_class(), _resolve(method.stateful_layout)
-
-    def make(model: torch.nn.Module, max_rows: int, capacity: int) -> Layout:
-        return (with_state if is_stateful(model) else plain)(model, max_rows, capacity)
-
-    return make

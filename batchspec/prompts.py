@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .config import BatchspecError
+from .errors import BatchspecError
 
 FORMATS = ("auto", "jsonl", "text")
 # JSON lines under any of its usual names, in any case (`.JSONL` read as text would decode the raw

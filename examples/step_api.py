@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from batchspec import ModelConfig, SamplingParams, SpecConfig
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.models import encode_prompt, eos_token_ids, load_pair
 
 

@@ -17,7 +17,8 @@ from batchspec.cli import main as cli_main
 from batchspec.config import NGRAM, BatchspecError, ModelConfig, SamplingParams, SpecConfig
 from batchspec.kernels import apply_linear_kernel
 from batchspec.kv import forward_plain, new_dynamic_cache
-from batchspec.methods import SCHEDULERS, build_engine, correct_methods
+from batchspec.build import build_engine
+from batchspec.methods import SCHEDULERS, correct_methods
 from batchspec.models import load_pair
 from batchspec.reference import greedy_decode
 

@@ -26,7 +26,7 @@ from batchspec.distribution import (
     random_model,
     two_sample_chi2,
 )
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from tinyworld import tiny_model
 
 ALPHA = 0.01

@@ -23,7 +23,7 @@ from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.forensics.invariants import InvariantError
 from batchspec.kv import context_limit
 from batchspec.layouts import Layout, PaddedLayout, RaggedLayout
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.reference import greedy_decode
 
 ARCHS = ["llama", "qwen2", "gpt2"]

@@ -19,7 +19,7 @@ from batchspec.kernels import (
     unpack_linears,
     unsupported_reason,
 )
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.models import load_model, load_pair, output_vocab_size
 from batchspec.reference import greedy_decode
 

@@ -10,7 +10,7 @@ from tinyworld import random_prompts
 
 from batchspec.config import ModelConfig, SamplingParams, SpecConfig
 from batchspec.llm import LLM
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.reference import greedy_decode
 
 

@@ -57,7 +57,7 @@ def test_engine_and_correct_methods_do_not_load_forensics():
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from batchspec.llm import LLM\n"
-        "from batchspec.methods import build_engine\n"
+        "from batchspec.build import build_engine\n"
         "from batchspec.config import SpecConfig\n"
         "from tinyworld import tiny_model\n"
         "m = tiny_model('llama')\n"

@@ -28,7 +28,7 @@ from batchspec.kernels import (
     weight_bytes,
     weights_summary,
 )
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.models import draft_quantization, load_pair
 from batchspec.reference import greedy_decode
 

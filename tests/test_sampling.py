@@ -16,7 +16,7 @@ from batchspec import acceptance, sampling
 from batchspec.cli import main as cli_main
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.drafters import Draft, Drafter, ModelDrafter, Picker, pick_argmax
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.layouts import PaddedLayout, RaggedLayout
 from tinyworld import tiny_model
 from batchspec.reference import greedy_decode, reference_decode

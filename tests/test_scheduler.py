@@ -9,7 +9,7 @@ import torch
 from tinyworld import VOCAB_SIZE, perturbed_copy, random_prompts, tiny_model
 
 from batchspec.config import SamplingParams, SpecConfig
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.reference import greedy_decode
 from batchspec.scheduler import ContinuousScheduler, PoolScheduler, StaticScheduler
 from batchspec.sequence import Sequence

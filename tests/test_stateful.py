@@ -34,7 +34,7 @@ from batchspec.forensics.invariants import InvariantError, check_views
 from batchspec.kv import StateStore, check_supported, is_stateful
 from batchspec.layouts import RaggedLayout
 from batchspec.layouts.stateful import ReplayStatefulLayout, StatefulLayout
-from batchspec.methods import build_engine
+from batchspec.build import build_engine
 from batchspec.reference import greedy_decode, reference_decode
 
 ARCHS = list(TINY_STATEFUL_ARCHS)

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..config import BatchspecError
+from ..errors import BatchspecError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, select, task_group
-from ..config import BatchspecError
+from ..errors import BatchspecError
 from ..prompts import load_prompts
 from .common import add_prompt_format_argument, finite_float, positive_int
 

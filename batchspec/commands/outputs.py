@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import TextIO
 
-from ..config import BatchspecError
+from ..errors import BatchspecError
 from ..prompts import PromptRecord
 
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..config import BatchspecError, SamplingParams, SpecConfig, resolve_drafter
 from ..distribution import compare_positions, exact_rejection_check
 from ..engine import Engine
-from ..methods import build_engine
+from ..build import build_engine
 from ..prompts import load_prompts
 from .common import (
     add_decoding_arguments,

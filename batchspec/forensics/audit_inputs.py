@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import BatchspecError
+from ..errors import BatchspecError
 from ..prompts import PromptRecord, decode_line, parse_json_line, read_lines, unicode_problem
 
 

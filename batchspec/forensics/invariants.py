@@ -119,6 +119,6 @@ def _stateful_row_problem(layout: StatefulLayout, row: int, prefix: list[int]) -
 
 
 def check_views(views: list[LayoutView], round_index: int) -> None:
-    """The engine's per-round hook (injected by `batchspec.methods.build_engine`): check every view."""
+    """The engine's per-round hook (injected by `batchspec.build.build_engine`): check every view."""
     for view in views:
         check_layout(view.layout, view.name, round_index, view.expected_lengths, view.prefixes, view.sample_rows)

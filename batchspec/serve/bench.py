@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..config import BatchspecError
+from ..errors import BatchspecError
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")

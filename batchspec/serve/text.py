@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from ..config import BatchspecError
+from ..errors import BatchspecError
 from ..models import special_spans, tokenize, encode_prompt
 from ..prompts import unicode_problem
 
