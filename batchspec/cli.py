@@ -62,8 +62,22 @@ class _TopHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """Keeps the line breaks of the top-level epilog (one example per line)."""
 
 
+# Packages of the optional extras (pyproject.toml), and the extra that installs each.
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "prometheus_client": "serve",
+          "openai": "serve", "matplotlib": "bench", "scipy": "bench", "ray": "ray", "pyarrow": "ray"}
+
+
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"batchspec.commands.{name.replace('-', '_')}")
+    """A command's module; a command whose optional extra is not installed is one line naming it."""
+    try:
+        return importlib.import_module(f"batchspec.commands.{name.replace('-', '_')}")
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"batchspec {name}: error: needs the {extra} extra ({exc.name} is not installed): "
+              f"pip install 'batchspec[{extra}]'", file=sys.stderr)
+        sys.exit(2)
 
 
 def build_parser(load: Iterable[str] = ()) -> argparse.ArgumentParser:

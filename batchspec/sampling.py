@@ -30,7 +30,7 @@ import torch
 
 from . import acceptance
 from .config import BatchspecError, SamplingParams
-from .drafters import Draft, Picker, pick_argmax
+from .draft import Draft, Picker, pick_argmax
 from .sequence import Sequence
 
 GREEDY = "greedy"

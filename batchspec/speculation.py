@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .costs import Costs
-from .drafters import SHARED_CATCH_UP, Draft
+from .draft import SHARED_CATCH_UP, Draft
 from .sampling import REJECTION, draft_confidence, rule
 from .sequence import Sequence
 

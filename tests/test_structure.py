@@ -88,3 +88,39 @@ def test_the_cycle_finder_sees_function_level_imports():
     graph = import_graph()
     assert "batchspec.errors" in graph["batchspec.kv"]
     assert cycles({**graph, "batchspec.errors": {"batchspec.kv"}}) == [["batchspec.errors", "batchspec.kv"]]
+
+
+def test_the_engine_and_generate_need_no_optional_extra():
+    """`pip install batchspec` (no extras) runs the engine, `generate` and `audit`: none of them imports
+    what the serve, bench or ray extras install."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import batchspec.llm, batchspec.build, batchspec.commands.generate, batchspec.commands.audit\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('fastapi', 'uvicorn', 'starlette', 'prometheus_client', 'openai', 'matplotlib', 'ray', 'pyarrow')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_command_whose_extra_is_missing_says_which_to_install(monkeypatch, capsys):
+    import importlib
+
+    import pytest
+
+    from batchspec import cli
+
+    real = importlib.import_module
+
+    def without_fastapi(name, *args):
+        if name == "batchspec.commands.serve":
+            raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_fastapi)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["batchspec serve: error: needs the serve extra (fastapi is not installed): pip install 'batchspec[serve]'"]

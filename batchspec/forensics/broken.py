@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafters import Draft
+from ..draft import Draft
 from ..engine import Engine
 from ..kv import SlotStore
 from ..layouts.ragged import RaggedLayout
