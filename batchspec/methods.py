@@ -54,10 +54,10 @@ class Method:
     def default_scheduler(self) -> str:
         return self.schedulers[0]
 
-    def layout_class(self) -> type:
+    def layout_class(self) -> type[Layout]:
         return resolve(self.layout)
 
-    def engine_class(self) -> type:
+    def engine_class(self) -> type[Engine]:
         return resolve(self.engine)
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from batchspec.kv import _exact_attention
+from batchspec.kv.attention import _exact_attention
 
 LAYERS, HEADS, KV_HEADS, DIM = 28, 12, 2, 128
 

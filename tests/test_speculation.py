@@ -9,10 +9,11 @@ import pytest
 import torch
 from tinyworld import ScriptedCosts
 
-from batchspec import acceptance, sampling
+from batchspec import sampling
+from batchspec.acceptance import rejection
 from batchspec.config import SamplingParams
 from batchspec.costs import break_even
-from batchspec.drafters import SHARED_CATCH_UP, Draft
+from batchspec.drafters import Draft
 from batchspec.sequence import Sequence
 from batchspec.speculation import (
     FORCED,
@@ -422,7 +423,7 @@ def sampled_pairs(rounds: int, seed: int, old_rule: bool = False) -> tuple[list[
             p = TARGET_P.expand(1, width + 1, 4)
             uniform = torch.rand((1, width), generator=gen)
             noise = sampling.gumbel(torch.rand((1, 4), generator=gen))
-            out, count = acceptance.rejection(draft.tokens, p, torch.stack(qs[:width])[None], uniform, noise)
+            out, count = rejection(draft.tokens, p, torch.stack(qs[:width])[None], uniform, noise)
             emitted = out[0, : int(count)].tolist()
         while len(emitted) < 2:
             emitted.append(int(torch.multinomial(TARGET_P, 1, generator=gen)))

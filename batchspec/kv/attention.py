@@ -1,0 +1,141 @@
+"""The attention every forward runs: batch-invariant, registered with transformers by name."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+
+EXACT_ATTENTION = "batchspec_exact"
+# Shapes under which torch's CPU float32 matmul (MKL sgemm) rounds every output element the same way
+# whatever else shares the product (measured, and checked on the running CPU by tests/test_kv.py):
+# at least 4 rows on the left (1-3 rows take gemv-like kernels that sum in another order), any number
+# of columns, and a fixed inner length (its rounding depends on the total inner length, so P @ V runs
+# in fixed blocks of keys summed in order).
+_MIN_QUERY_ROWS = 8
+_KEY_BLOCK = 128
+
+
+class _KeyPlan:
+    """Which slots each row's queries read, compacted: slot order[b, j] becomes key j of row b, the
+    row's visible slots first in slot order, so key j is the row's j-th token as in plain decoding's
+    cache. None when every row's visible slots already are [0, count) (ragged rows, plain decoding)."""
+
+    def __init__(self, visible: torch.Tensor) -> None:
+        seen = visible.any(dim=1)  # [b, l] slots some query of the row attends to
+        count = seen.sum(dim=-1)
+        self.width = max(int(count.max()), 1)
+        prefix = torch.arange(seen.shape[-1], device=seen.device)[None] < count[:, None]
+        self.order = None if bool(torch.equal(seen, prefix)) else torch.argsort(
+            (~seen).to(torch.int8), dim=-1, stable=True)[:, : self.width]
+
+
+_plan_memo: dict[str, Any] = {"mask": None, "plan": None}
+
+
+def _key_plan(attention_mask: torch.Tensor, visible: torch.Tensor) -> _KeyPlan:
+    """Every layer of a forward gets the same mask object: plan once per forward, not per layer."""
+    if _plan_memo["mask"] is not attention_mask:
+        _plan_memo.update(mask=attention_mask, plan=_KeyPlan(visible))
+    return _plan_memo["plan"]
+
+
+def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Softmax attention whose result for a query depends only on that query and the keys it sees,
+    not on which rows, queries or masked slots share the forward: a one-token step, a K+1-token
+    verify, a catch-up, a chunked or padded prefill and plain decoding's own forwards give a row the
+    same bits (torch's fused SDPA kernel blocks queries and keys by the shapes it is given, so they
+    round differently). Every row's visible keys are compacted to the front (`_KeyPlan`), key j
+    being the row's j-th token wherever its slot was; scores come from one matmul with at least
+    _MIN_QUERY_ROWS rows, the softmax runs along rows padded with -inf to whole blocks and aligned at
+    key 0 (its vector sums add the padding's zeros lane by lane, which changes nothing), and P @ V runs
+    in _KEY_BLOCK-key blocks (the last one zero-padded) added in key order. Grouped K/V heads are read in place (query heads folded onto their K/V head).
+
+    query [b, hq, m, d]; key, value [b, hkv, l, d]; attention_mask [b, 1, m, l] bool (True: attend)
+    or None (causal: query i sees keys [0, l - m + i]). Returns [b, m, hq, d] as transformers wants."""
+    b, hq, m, d = query.shape
+    hkv, l = key.shape[1], key.shape[2]
+    g = hq // hkv
+    if attention_mask is None:  # plain decoding's cache: every row's keys are its tokens, from slot 0
+        width, order = l, None
+        positions = torch.arange(l, device=query.device)
+        visible = (positions[None] <= positions[l - m :, None])[None].expand(b, m, l)
+    else:
+        visible = attention_mask[:, 0].expand(b, m, l)
+        plan = _key_plan(attention_mask, visible)
+        width, order = plan.width, plan.order
+    if order is not None:
+        index = order[:, None, :, None].expand(b, hkv, width, d)
+        key, value = key.gather(2, index), value.gather(2, index)
+        visible = visible.gather(2, order[:, None, :].expand(b, m, width))
+    else:
+        key, value, visible = key[:, :, :width], value[:, :, :width], visible[..., :width]
+    full, tail = divmod(width, _KEY_BLOCK)
+    blocks = full + (tail > 0)
+    padded = blocks * _KEY_BLOCK
+    rows = max(g * m, _MIN_QUERY_ROWS)
+    q = torch.nn.functional.pad(query.reshape(b, hkv, g * m, d), (0, 0, 0, rows - g * m))  # [b, hkv, R, d]
+    sees = visible[:, None, None].expand(b, 1, g, m, width).reshape(b, 1, g * m, width)
+    sees = torch.nn.functional.pad(sees, (0, padded - width, 0, rows - g * m), value=False)
+    sees[..., 0] |= ~sees.any(dim=-1)  # a query that sees nothing (padding) reads key 0, not NaN
+    scale = scaling if scaling is not None else d ** -0.5
+    key = torch.nn.functional.pad(key, (0, 0, 0, padded - width))  # [b, hkv, L, d]: MKL rounds few columns otherwise
+    scores = (q @ key.transpose(-1, -2)) * scale  # [b, hkv, R, L]
+    probs = torch.softmax(scores.masked_fill_(~sees, float("-inf")), dim=-1)
+    probs = probs.view(b, hkv, rows, blocks, _KEY_BLOCK).transpose(2, 3).contiguous()  # [b, hkv, blocks, R, B]
+    parts = []  # [b, hkv, *, R, d]: full blocks straight from the K/V buffer, the last one zero-padded
+    if full:
+        parts.append(probs[:, :, :full] @ value[:, :, : full * _KEY_BLOCK].reshape(b, hkv, full, _KEY_BLOCK, d))
+    if tail:
+        last = torch.nn.functional.pad(value[:, :, full * _KEY_BLOCK :], (0, 0, 0, _KEY_BLOCK - tail))
+        parts.append(probs[:, :, full:] @ last[:, :, None])
+    blocks_out = [part[:, :, i] for part in parts for i in range(part.shape[2])]  # in key order
+    out = blocks_out[0]
+    for block in blocks_out[1:]:
+        out = out + block
+    out = out[:, :, : g * m].reshape(b, hkv, g, m, d).reshape(b, hq, m, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(EXACT_ATTENTION, _exact_attention)
+AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)  # boolean masks, as "sdpa" builds them
+
+
+def use_exact_attention(model: torch.nn.Module) -> bool:
+    """Run `model`'s attention through `_exact_attention` (idempotent); False when the model keeps its
+    own, not batch-invariant: code that branches on the name of its attention (Falcon's hand-written
+    SDPA call, GPT-2's upcast eager attention), or logit soft-capping and attention sinks, which the exact path does not compute."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == EXACT_ATTENTION:
+        return True
+    if model.__dict__.get("_batchspec_keeps_attention"):  # checked before (reading its source is slow)
+        return False
+    model.__dict__["_batchspec_keeps_attention"] = True
+    config = model.config.get_text_config()
+    if impl not in ("sdpa", "eager") or getattr(config, "attn_logit_softcapping", None):
+        return False
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return False
+    try:
+        source = inspect.getsource(sys.modules[type(model).__module__])
+    except (KeyError, OSError, TypeError):  # code without a source file to read: keep what it has
+        return False
+    if f'_attn_implementation == "{impl}"' in source:  # its code does something of its own under that name
+        return False
+    model.set_attn_implementation(EXACT_ATTENTION)
+    del model.__dict__["_batchspec_keeps_attention"]
+    return True
+
+
+def attention_path(model: torch.nn.Module) -> str:
+    """What the summary reports: "exact" (batch-invariant, `_exact_attention`) or the model's own."""
+    impl = getattr(model.config, "_attn_implementation", None) or "none"
+    return "exact" if impl == EXACT_ATTENTION else f"{impl} (not batch-invariant)"
+
