@@ -329,13 +329,19 @@ def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows:
     return MeasuredCosts(verify, draft_table, where)
 
 
+def round_time(costs: Costs, rows: int, width: int, steps: int) -> float:
+    """Seconds of a round of `rows` rows verifying `width` drafts each after `steps` drafter steps
+    (the first feeds two tokens per row, the rest one): the one formula the speculation policy and
+    `break_even` price rounds by."""
+    drafting = 0.0 if steps == 0 else costs.draft_time(rows, 2) + (steps - 1) * costs.draft_time(rows, 1)
+    return drafting + costs.verify_time(rows, width + 1) + costs.overhead()
+
+
 def break_even(costs: Costs, rows: int, k: int) -> float | None:
     """The per-draft acceptance rate at which k drafts per row are worth exactly as much as plain
     decoding at this batch size: (1 + a + ... + a^k) / T(k) = 1 / T(0). None: not even with every
     draft accepted."""
-    plain = costs.verify_time(rows, 1) + costs.overhead()
-    drafting = (costs.draft_time(rows, 2) + (k - 1) * costs.draft_time(rows, 1)) if k else 0.0
-    needed = (drafting + costs.verify_time(rows, k + 1) + costs.overhead()) / plain
+    needed = round_time(costs, rows, k, k) / round_time(costs, rows, 0, 0)
     if needed > k + 1:
         return None
     lo, hi = 0.0, 1.0

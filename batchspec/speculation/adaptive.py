@@ -1,73 +1,19 @@
-"""How many drafts each row verifies each round: `fixed` (K every round, as the paper does) or
-`adaptive` (as many as pay for themselves, on measured costs).
-
-Adaptive speculation maximises the expected committed tokens per second of round time. A round of
-`rows` rows verifying w drafts each (after s drafter steps) takes T(w, s) = s drafter steps + one
-verify forward of w + 1 tokens per row + the per-round overhead (`batchspec.costs`, measured), and
-commits E(w) = rows + sum over rows b and slots j < w of P_b(j), P_b(j) being the probability that
-row b's first j + 1 drafts are all accepted. The verify forward is rectangular (padded to the
-longest row), so a slot below the round's width costs every row's share whether a row uses it or
-not: the decision is the round's width, and every row gets min(width, what it proposed, its own
-budget). That is TETRIS's allocation (slots to the rows and positions with the highest cumulative
-acceptance under the round's cost) for a cost that depends on the padded shape.
-
-P_b(j) is the product of per-draft acceptance probabilities (LibraSpec). Before drafting they are
-predicted from each row's recent acceptance at each position (`AcceptanceModel.expected`); once the
-drafter has computed a draft, from its own confidence in it, calibrated online against what the
-target really accepted, per draft position and confidence bin, with a per-row correction
-(`AcceptanceModel.calibrate`). The width is decided step by step (`RoundSteering`): before each
-drafter step, draft on only if some width beyond the drafts in hand promises a better rate than
-stopping with the best prefix of them (their drafting time is sunk either way: LibraSpec's marginal
-criterion, with a full look-ahead rather than one step); after drafting, verify the best prefix.
-Width 0 is a plain decoding step: the drafter does not run at all. When the estimates keep the batch
-at width 0, a one-draft probe runs now and then, so that acceptance that recovers (a row starts
-copying code, say) is noticed: once the plain steps since the drafter last ran add up to
-1 / PROBE_SHARE times what a probe costs beyond a plain step, so probing never costs more than
-PROBE_SHARE of plain decoding's time.
-
-The drafter may first have to catch rows up: it has not seen what plain steps committed, nor the
-prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). Catching up
-is an investment: paid once, it opens the rounds after it, so it is weighed against what drafting
-saves over the tokens the rows have left, not charged to one round. A short lag (a few plain steps)
-is caught up in one forward shared by all rows. A long one (a prompt, a long run of plain steps) is
-weighed for the batch before the round (`leave_out`): the lagging rows worth catching up are chosen
-together, since the verify is padded to every row and one more row drafting can be what makes the
-rounds pay for all; a row left out (its cap is 0) decodes plainly. Where speculation gains little
-(a large batch on a CPU) no catch-up pays, the drafter never runs, and plain decoding costs what
-`ar` does.
-
-Nothing here consumes randomness, and every decision uses past tokens, logits and timings only, so
-greedy and seeded (coupled) rows stay token-identical to plain decoding whatever width is chosen.
-For rejection-sampled rows, whether draft j is verified must not depend on draft j itself: their
-confidence is sum(q^2), known before a draft is drawn, and their width is chosen slot by slot from
-what was known before each draw (`blind_width`), so the rule stays distribution-preserving.
-"""
+"""Adaptive speculation: how many drafts pay for themselves, round by round, on measured costs (the
+package docstring has the model)."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 
-from .costs import Costs
-from .draft import SHARED_CATCH_UP, Draft
-from .sampling import REJECTION, draft_confidence, rule
-from .sequence import Sequence
+from ..costs import Costs, round_time
+from ..draft import SHARED_CATCH_UP, Draft
+from ..sampling import REJECTION, draft_confidence, rule
+from ..sequence import Sequence
+from .estimates import SAMPLED, AcceptanceModel
+from .plan import RoundPlan, Speculation
 
-BINS = 10  # confidence bins; one more for drafts without a confidence (n-gram proposals)
-NO_CONFIDENCE = BINS
-SAMPLED, FORCED = 0, 1  # a draft drawn from the drafter's distribution, or proposed deterministically
-# Pseudo-observations behind every prior, so a few outcomes move an estimate but a few rejections do not
-# turn a row off. In the replay (`leave_out`), 8 beat 4 at batch 2 (1.23x vs 1.20x plain decoding) and
-# tied elsewhere; 2 turned translation off at batch 1 (0.97x vs 1.49x).
-PRIOR_WEIGHT = 8.0
-ROW_PRIOR = 1.0  # ... behind a row's correction factor (1 when nothing is known): rows differ a lot
-POSITION_PRIOR = 0.6  # acceptance expected of a draft before anything is known
-LOOKUP_PRIOR = 0.5  # ... of a draft without a confidence
-GLOBAL_DECAY = 0.998  # per round: calibration follows drift over a few hundred rounds
-ROW_DECAY = 0.9  # per round of the row: its own history over the last ten or so
-MAX_ACCEPTANCE = 0.999
 # Catch-ups must be expected to save this many times their cost (see `leave_out`). In a replay of 36
 # SpecBench prompts (`scripts/spec_replay.py`), 1.5 declined the drafter's prefill of ~1,000-token
 # summarization and RAG prompts at batch 1 where it pays (1.13x and 1.00x of plain decoding against
@@ -78,163 +24,6 @@ PROBE_SHARE = 0.03  # of the time spent in plain steps, at most this goes to pro
 # estimates (two runs of the same plain steps here took 19.1 and 21.3 s), and drafting for a 1% gain
 # loses whenever they err.
 OPEN_MARGIN = 0.05
-
-
-@dataclass
-class RoundPlan:
-    """What the engine asks the drafter for: up to `steps` drafter steps (0: a plain decoding step),
-    steered by `steer` when the policy adapts."""
-
-    steps: int
-    steer: RoundSteering | None = None
-
-
-class Speculation(ABC):
-    """A speculation policy: plans a round, trims what the drafter proposed, learns from the outcome."""
-
-    weighs_backlog = False  # whether `plan` reads the drafter's backlog (the engine asks for it only then)
-
-    @abstractmethod
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
-        """The round for these rows; backlog[b]: tokens the drafter must be fed (catch up on) before
-        it can draft for row b (`Drafter.backlog`; None: nothing)."""
-
-    def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
-        """The drafts to verify, out of what the drafter proposed."""
-        return draft
-
-    def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
-                times: tuple[float, float, float]) -> None:
-        """The round's outcome: `count` [b] tokens emitted per row (accepted drafts + 1) and its
-        (draft, verify, other) seconds."""
-
-    def forget(self, seqs: list[Sequence]) -> None:
-        """These sequences left the engine."""
-
-
-class FixedSpeculation(Speculation):
-    """K drafts every round for every row (fewer only where the drafter proposes fewer, or no row
-    can emit more)."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
-        return RoundPlan(max(0, min(self.k, max(s.remaining for s in seqs) - 1)))
-
-
-@dataclass
-class _RowHistory:
-    """One sequence's recent drafts, per position: accepted, verified, and what the calibration
-    table expected of them (for the row's correction factor). Decayed per round."""
-
-    hits: torch.Tensor
-    trials: torch.Tensor
-    expected: torch.Tensor
-
-
-class AcceptanceModel:
-    """Online acceptance estimates: a calibration table (source x position x confidence bin) shared
-    by all rows, and each row's own recent acceptance per position."""
-
-    def __init__(self, k_max: int) -> None:
-        self.k_max = k_max
-        centers = (torch.arange(BINS, dtype=torch.float64) + 0.5) / BINS
-        self.prior = torch.cat([centers, torch.tensor([LOOKUP_PRIOR], dtype=torch.float64)]).expand(2, k_max, -1)
-        self.cell_hits = torch.zeros(2, k_max, BINS + 1, dtype=torch.float64)
-        self.cell_trials = torch.zeros_like(self.cell_hits)
-        self.position_hits = torch.zeros(k_max, dtype=torch.float64)
-        self.position_trials = torch.zeros_like(self.position_hits)
-        self.rows: dict[int, _RowHistory] = {}
-
-    def _history(self, seqs: list[Sequence]) -> list[_RowHistory]:
-        out = []
-        for s in seqs:
-            if s.index not in self.rows:
-                zeros = torch.zeros(self.k_max, dtype=torch.float64)
-                self.rows[s.index] = _RowHistory(zeros, zeros.clone(), zeros.clone())
-            out.append(self.rows[s.index])
-        return out
-
-    def _overall(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[k_max] the rate of all rows at each position, and the pseudo-trials behind it. Each
-        position's prior is the rate of the position before it (the first's, POSITION_PRIOR): a
-        position is judged only in rounds that drafted that far, so with a fixed prior a position
-        never drafted stays at the prior, and a prior below what the drafter achieves would never be
-        tested (replayed on SpecBench rounds, no row ever verified a 4th or 5th draft, even on
-        math prompts accepted ~85% per draft: `docs/results/spec_replay_position_prior.txt`)."""
-        trials = self.position_trials + PRIOR_WEIGHT
-        rates = torch.empty_like(trials)
-        prior = POSITION_PRIOR
-        for j in range(self.k_max):
-            rates[j] = (self.position_hits[j] + PRIOR_WEIGHT * prior) / trials[j]
-            prior = float(rates[j])
-        return rates, trials
-
-    def _shrunk(self, seqs: list[Sequence], overall: torch.Tensor) -> torch.Tensor:
-        """[b, k_max] each row's own recent rate, shrunk towards `overall`."""
-        history = self._history(seqs)
-        hits = torch.stack([h.hits for h in history])
-        trials = torch.stack([h.trials for h in history])
-        return ((hits + PRIOR_WEIGHT * overall) / (trials + PRIOR_WEIGHT)).clamp(max=MAX_ACCEPTANCE)
-
-    def expected(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[b, k_max] each row's acceptance probability per draft position, before drafting: its own
-        recent rate, shrunk towards the rate of all rows at that position."""
-        return self._shrunk(seqs, self._overall()[0])
-
-    def optimistic(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[b, k_max] as `expected`, with the rate of all rows raised by one standard deviation of
-        what its trials tell (a Beta posterior's): high while little is known, the rate itself once
-        much is. For investments whose return is learning as much as tokens (`leave_out`)."""
-        overall, trials = self._overall()
-        return self._shrunk(seqs, overall + (overall * (1 - overall) / (trials + 1)).sqrt())
-
-    def _cells(self, position: torch.Tensor, confidence: torch.Tensor, source: torch.Tensor) -> tuple:
-        bins = torch.where(torch.isnan(confidence), NO_CONFIDENCE,
-                           (confidence.nan_to_num(0.0) * BINS).long().clamp(0, BINS - 1))
-        return source, position, bins
-
-    def _table(self, cells: tuple) -> torch.Tensor:
-        return (self.cell_hits[cells] + PRIOR_WEIGHT * self.prior[cells]) / (self.cell_trials[cells] + PRIOR_WEIGHT)
-
-    def calibrate(self, seqs: list[Sequence], position: int, confidence: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        """[b] acceptance probability of each row's draft at `position` given the drafter's
-        confidence in it (NaN: none) and its source, corrected by how the row has fared against the
-        table lately."""
-        cells = self._cells(torch.full_like(source, position), confidence.double(), source)
-        history = self._history(seqs)
-        hits = torch.stack([h.hits.sum() for h in history])
-        expected = torch.stack([h.expected.sum() for h in history])
-        factor = (hits + ROW_PRIOR) / (expected + ROW_PRIOR)
-        return (self._table(cells) * factor).clamp(0.0, MAX_ACCEPTANCE)
-
-    def record(self, seqs: list[Sequence], lengths: torch.Tensor, accepted: torch.Tensor,
-               confidence: torch.Tensor, source: torch.Tensor) -> None:
-        """Outcomes of one round: row b verified lengths[b] drafts and accepted accepted[b]; slots after
-        the first rejection were never judged and teach nothing."""
-        width = confidence.shape[1]
-        slots = torch.arange(width)[None, :]
-        judged = (slots < lengths[:, None]) & (slots <= accepted[:, None])
-        hit = (slots < accepted[:, None]).double() * judged
-        position = slots.expand_as(judged)
-        cells = self._cells(position, confidence.double(), source)
-        expected = self._table(cells) * judged
-        for table in (self.cell_hits, self.cell_trials, self.position_hits, self.position_trials):
-            table.mul_(GLOBAL_DECAY)
-        index = tuple(c[judged] for c in cells)
-        self.cell_hits.index_put_(index, hit[judged], accumulate=True)
-        self.cell_trials.index_put_(index, torch.ones_like(hit[judged]), accumulate=True)
-        self.position_hits[:width] += hit.sum(dim=0)
-        self.position_trials[:width] += judged.double().sum(dim=0)
-        for history, h, j, e in zip(self._history(seqs), hit, judged.double(), expected):
-            for values, new in ((history.hits, h), (history.trials, j), (history.expected, e)):
-                values.mul_(ROW_DECAY)
-                values[:width] += new
-
-    def forget(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            self.rows.pop(s.index, None)
 
 
 @dataclass
@@ -297,10 +86,8 @@ class AdaptiveSpeculation(Speculation):
         self.idle_s = 0.0  # predicted seconds of plain steps since the drafter last ran
 
     def round_time(self, rows: int, width: int, steps: int) -> float:
-        """Seconds of a round verifying `width` drafts per row after `steps` drafter steps (the first
-        feeds two tokens per row, the rest one)."""
-        drafting = 0.0 if steps == 0 else self.costs.draft_time(rows, 2) + (steps - 1) * self.costs.draft_time(rows, 1)
-        return drafting + self.costs.verify_time(rows, width + 1) + self.costs.overhead()
+        """Seconds of a round verifying `width` drafts per row after `steps` drafter steps."""
+        return round_time(self.costs, rows, width, steps)
 
     def best_width(self, steer: RoundSteering, lo: int, hi: int, steps_run: int,
                    extra: float = 0.0, cumulative: torch.Tensor | None = None) -> tuple[int, float]:
@@ -490,11 +277,3 @@ class AdaptiveSpeculation(Speculation):
 
     def forget(self, seqs: list[Sequence]) -> None:
         self.model.forget(seqs)
-
-
-def make_speculation(kind: str, k: int, costs: Costs | None) -> Speculation:
-    if kind == "adaptive":
-        if costs is None:
-            raise ValueError("adaptive speculation needs a cost model")
-        return AdaptiveSpeculation(k, costs)
-    return FixedSpeculation(k)

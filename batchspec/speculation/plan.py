@@ -1,0 +1,58 @@
+"""A round's plan and the speculation-policy interface; the fixed policy (K every round)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..draft import Draft
+from ..sequence import Sequence
+
+if TYPE_CHECKING:
+    from .adaptive import RoundSteering
+
+
+@dataclass
+class RoundPlan:
+    """What the engine asks the drafter for: up to `steps` drafter steps (0: a plain decoding step),
+    steered by `steer` when the policy adapts."""
+
+    steps: int
+    steer: RoundSteering | None = None
+
+
+class Speculation(ABC):
+    """A speculation policy: plans a round, trims what the drafter proposed, learns from the outcome."""
+
+    weighs_backlog = False  # whether `plan` reads the drafter's backlog (the engine asks for it only then)
+
+    @abstractmethod
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
+        """The round for these rows; backlog[b]: tokens the drafter must be fed (catch up on) before
+        it can draft for row b (`Drafter.backlog`; None: nothing)."""
+
+    def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
+        """The drafts to verify, out of what the drafter proposed."""
+        return draft
+
+    def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
+                times: tuple[float, float, float]) -> None:
+        """The round's outcome: `count` [b] tokens emitted per row (accepted drafts + 1) and its
+        (draft, verify, other) seconds."""
+
+    def forget(self, seqs: list[Sequence]) -> None:
+        """These sequences left the engine."""
+
+
+class FixedSpeculation(Speculation):
+    """K drafts every round for every row (fewer only where the drafter proposes fewer, or no row
+    can emit more)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
+        return RoundPlan(max(0, min(self.k, max(s.remaining for s in seqs) - 1)))
