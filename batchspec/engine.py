@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral
 
 import torch
@@ -53,6 +53,14 @@ class EngineStats:
     @property
     def total_time(self) -> float:
         return self.prefill_time + self.decode_time
+
+    def merge(self, other: EngineStats) -> None:
+        """Add another run's totals to these (several engines' runs, or Ray workers' reports)."""
+        for f in fields(EngineStats):
+            if f.name != "extra":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name, value in other.extra.items():
+            self.extra[name] = self.extra.get(name, 0) + value
 
 
 def validate_prompt(prompt_ids: list[int], params: SamplingParams, limit: int | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence as Seq
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig, resolve_drafter
 from .costs import Costs
@@ -121,7 +121,7 @@ class LLM:
                 index = accepted[seq.index]
                 yield self._output(index, prompts[index], seq, start)
         finally:
-            self._add_stats(engine.stats)
+            self.stats.merge(engine.stats)
             self.costs = engine.costs
 
     def _output(self, index: int, prompt: Prompt, seq: Sequence, start: float) -> RequestOutput:
@@ -142,13 +142,6 @@ class LLM:
             latency=(seq.finish_time or start) - start,
             token_times=[round(t - start, 6) for t in seq.token_times],
         )
-
-    def _add_stats(self, run: EngineStats) -> None:
-        for f in fields(EngineStats):
-            if f.name != "extra":
-                setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(run, f.name))
-        for name, value in run.extra.items():
-            self.stats.extra[name] = self.stats.extra.get(name, 0) + value
 
 
 def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

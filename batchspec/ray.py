@@ -209,15 +209,10 @@ class StatsSink:
         return sorted(self.spans.values())
 
     def total(self) -> dict:
-        total: dict[str, Any] = asdict(EngineStats())
+        total = EngineStats()
         for stats in self.reports.values():
-            for name, value in stats.items():
-                if name == "extra":
-                    for k, v in value.items():
-                        total["extra"][k] = total["extra"].get(k, 0) + v
-                else:
-                    total[name] += value
-        return total
+            total.merge(EngineStats(**stats))
+        return asdict(total)
 
 
 def generate_dataset(
