@@ -142,6 +142,7 @@ def extract(gguf_path: Path, out: Path, source: dict[str, Any]) -> dict[str, int
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)  # like the converted folder's files (mkstemp makes it private)
         Path(tmp).replace(out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
