@@ -26,6 +26,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def report(runs: dict[str, dict], formats: list[str]) -> str:
     for name in formats:
         run = runs[name]
         lines.append(f"{name:>10}: {run['weights']}; {run['bytes'] / 2**30:.2f} GiB; "
-                     f"decode wall {sum(run['seconds']):.0f} s")
+                     f"decoding took {sum(run['seconds']):.0f} s (not a speed comparison: one run each, machine shared)")
     lines.append("")
     header = f"{'format':>10} | identical | token match | first divergence per prompt (= identical)"
     lines += [header, "-" * len(header)]
@@ -138,9 +139,10 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--tokens", default="runs/quant_fidelity.json", help="per-format tokens, kept between runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        json.dump(decode_one_format(args.child, args.num_prompts, args.max_new_tokens), sys.stdout)
+        Path(args.child_out).write_text(json.dumps(decode_one_format(args.child, args.num_prompts, args.max_new_tokens)))
         return 0
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
@@ -159,10 +161,11 @@ def main() -> int:
             continue
         print(f"decoding with {name} ...", file=sys.stderr, flush=True)
         env = {**os.environ, **FORMATS[name][2]}
-        done = subprocess.run([sys.executable, __file__, "--child", name, "--num-prompts", str(args.num_prompts),
-                               "--max-new-tokens", str(args.max_new_tokens)],
-                              env=env, check=True, stdout=subprocess.PIPE, text=True)
-        runs[name] = json.loads(done.stdout)
+        with tempfile.TemporaryDirectory() as work:
+            out = Path(work) / "tokens.json"
+            subprocess.run([sys.executable, __file__, "--child", name, "--child-out", str(out), "--num-prompts",
+                            str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)], env=env, check=True)
+            runs[name] = json.loads(out.read_text())
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(runs))
     print(report(runs, formats))
