@@ -251,6 +251,15 @@ def apply_gguf_int4(model: torch.nn.Module, path: Path) -> int:
     return replaced
 
 
+def apply_bundled_int4(model: torch.nn.Module, role: str = "target") -> int:
+    """`apply_gguf_int4` with the bundled `role`'s stored blocks, written first if missing; a model or
+    machine the int4 kernel cannot run on is refused before anything is joined or written."""
+    reason = quantization_unsupported_reason(model, INT4)
+    if reason is not None:
+        raise BatchspecError(f"--quantization int4: {reason}")
+    return apply_gguf_int4(model, gguf_int4_weights(role))
+
+
 def use_gguf_int4(source: str | None, role: str, quantization: str, group_size: int) -> bool:
     """Whether `load_model` takes the GGUF's int4 blocks: the bundled target under int4 with groups of 32
     (a Q4_K sub-block); a user model, or groups of 128, is quantized from its float weights."""

@@ -197,3 +197,21 @@ def test_a_file_from_another_bundle_is_rebuilt_and_a_broken_one_is_one_line(tiny
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(BatchspecError, match="could not read the int4 weights"):
         apply_gguf_int4(tiny_model("qwen2", hidden=256), bad)
+
+
+def test_a_machine_without_the_kernel_is_refused_before_anything_is_written(tiny_q4k_bundle, tmp_path, monkeypatch):
+    from batchspec.config import BatchspecError
+    from batchspec.gguf_int4 import weights_path
+
+    _, _, spec = tiny_q4k_bundle
+    converted_dir(spec)
+    monkeypatch.setattr("batchspec.gguf_int4.quantization_unsupported_reason", lambda model, bits: "no int4 kernel here")
+    with pytest.raises(BatchspecError, match="^--quantization int4: no int4 kernel here$"):
+        load_model(None, role="target", quantization="int4")
+    assert not weights_path(spec).exists()
+    monkeypatch.undo()  # BATCHSPEC_GGUF_INT4=0: the bundled target quantized from its float32 folder
+    monkeypatch.setitem(bundled.BUNDLED, "target", spec)
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("BATCHSPEC_GGUF_INT4", "0")
+    loaded, _ = load_model(None, role="target", quantization="int4")
+    assert weights_summary(loaded) == "int4-g32 x14, int8 x1" and not weights_path(spec).exists()
