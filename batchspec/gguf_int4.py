@@ -9,9 +9,11 @@ groups of 32 inputs along K) read `(q - 8) * scale + zero`. So with
 
 every Q4_K sub-block is one torch int4 group of 32 with the very same 4-bit values. `d * sc` is exact
 in float32 (an 11-bit by 6-bit product); `zero` is one float32 rounding away from the exact value,
-which at most moves a dequantized weight by an ulp (tests/test_gguf_int4.py measures it). The fast
-kernel reads scale and zero in bfloat16 (what it takes with bfloat16 activations), which rounds
-them to 8 significant bits: ~2e-3 relative on a weight, the only loss against the GGUF's values.
+which could move a dequantized weight by an ulp but moved none of the real target's 1.11e9 (with
+float32 scales the weights equal gguf's dequantization bit for bit; tests/test_gguf_int4.py checks
+it). The fast kernel reads scale and zero in bfloat16 (what it takes with bfloat16 activations),
+which rounds them to 8 significant bits: 1.9e-3 relative error over the real target's Q4_K weights,
+the only loss against the GGUF's values.
 
 `batchspec prepare` (and the first `--quantization int4` load of the bundled target) writes those
 values once into the cache, CPU-independent: per linear `qweight` (uint8 [N, K/2], value of input
@@ -20,7 +22,8 @@ they are packed for this CPU's kernel at every load (`_convert_weight_to_int4pac
 layout depends on the CPU, so a packed tensor is never stored). Linears stored in other GGUF types
 (Q6_K, Q8_0, Q5_0, F16, ...) and the output layer are int8 per output channel, quantized at load from
 the dequantized float32 weights of the converted folder (which are the GGUF's values, dequantized by
-`gguf` itself): Q6_K -> int4 measured 7.9e-2 relative error, too lossy, Q6_K -> int8 1.2e-2.
+`gguf` itself): Q6_K -> int4 measured 7.9e-2 relative error (issue 28's probe), too lossy; Q6_K ->
+int8 1.2e-2.
 """
 
 from __future__ import annotations
