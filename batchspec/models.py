@@ -33,6 +33,7 @@ from .kernels import (
     weight_bytes,
     weights_summary,
 )
+from .gguf_int4 import apply_bundled_int4, gguf_int4_enabled, use_gguf_int4
 from .kv import attention_path, use_exact_attention
 from .prompts import unicode_problem
 
@@ -131,7 +132,10 @@ def load_model(
     except Exception as exc:
         raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
-    apply_quantization(model, quantization, group_size)
+    if use_gguf_int4(source, role, quantization, group_size) and gguf_int4_enabled():
+        apply_bundled_int4(model, role)  # the GGUF's own Q4_K blocks (batchspec.gguf_int4)
+    else:
+        apply_quantization(model, quantization, group_size)
     apply_linear_kernel(model, linear_kernel)
     use_exact_attention(model)
     if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not computes_bfloat16(torch_device):

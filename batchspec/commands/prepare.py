@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from ..bundled import BUNDLED, bundled_model_dir
+from ..gguf_int4 import gguf_int4_weights
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,4 +18,6 @@ def run(args: argparse.Namespace) -> int:
     for role in args.roles.split(","):
         path = bundled_model_dir(role.strip())
         print(f"{BUNDLED[role.strip()].name}: ready at {path}", file=sys.stderr)
+        if role.strip() == "target":  # its Q4_K blocks as int4 g32, for --quantization int4
+            print(f"{BUNDLED['target'].name}: int4 blocks at {gguf_int4_weights('target')}", file=sys.stderr)
     return 0
