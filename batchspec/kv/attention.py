@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -14,9 +15,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 EXACT_ATTENTION = "batchspec_exact"
 # Shapes under which torch's CPU float32 matmul (MKL sgemm) rounds every output element the same way
 # whatever else shares the product (measured, and checked on the running CPU by tests/test_kv.py):
-# at least 4 rows on the left (1-3 rows take gemv-like kernels that sum in another order), any number
-# of columns, and a fixed inner length (its rounding depends on the total inner length, so P @ V runs
-# in fixed blocks of keys summed in order).
+# at least 4 rows on the left (1-3 rows take gemv-like kernels that sum in another order; 8 leaves a
+# margin), a whole key block or more of columns (a few dozen columns took another kernel), and a
+# fixed inner length (its rounding depends on the total inner length, so P @ V runs in fixed blocks
+# of keys added in order).
 _MIN_QUERY_ROWS = 8
 _KEY_BLOCK = 128
 
@@ -35,14 +37,17 @@ class _KeyPlan:
             (~seen).to(torch.int8), dim=-1, stable=True)[:, : self.width]
 
 
-_plan_memo: dict[str, Any] = {"mask": None, "plan": None}
+_memo = threading.local()  # per thread (a server's engine loop and a test's oracle may run at once)
 
 
 def _key_plan(attention_mask: torch.Tensor, visible: torch.Tensor) -> _KeyPlan:
-    """Every layer of a forward gets the same mask object: plan once per forward, not per layer."""
-    if _plan_memo["mask"] is not attention_mask:
-        _plan_memo.update(mask=attention_mask, plan=_KeyPlan(visible))
-    return _plan_memo["plan"]
+    """Every layer of a forward gets the same mask object: plan once per forward, not per layer (the
+    memo holds the mask, so no later mask can be the same object)."""
+    mask, plan = getattr(_memo, "last", (None, None))
+    if mask is not attention_mask:
+        plan = _KeyPlan(visible)
+        _memo.last = (attention_mask, plan)
+    return plan
 
 
 def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,7 +61,8 @@ def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     being the row's j-th token wherever its slot was; scores come from one matmul with at least
     _MIN_QUERY_ROWS rows, the softmax runs along rows padded with -inf to whole blocks and aligned at
     key 0 (its vector sums add the padding's zeros lane by lane, which changes nothing), and P @ V runs
-    in _KEY_BLOCK-key blocks (the last one zero-padded) added in key order. Grouped K/V heads are read in place (query heads folded onto their K/V head).
+    in _KEY_BLOCK-key blocks (the last one zero-padded) added in key order. Grouped K/V heads are read
+    in place (query heads folded onto their K/V head).
 
     query [b, hq, m, d]; key, value [b, hkv, l, d]; attention_mask [b, 1, m, l] bool (True: attend)
     or None (causal: query i sees keys [0, l - m + i]). Returns [b, m, hq, d] as transformers wants."""
@@ -86,7 +92,7 @@ def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     sees = torch.nn.functional.pad(sees, (0, padded - width, 0, rows - g * m), value=False)
     sees[..., 0] |= ~sees.any(dim=-1)  # a query that sees nothing (padding) reads key 0, not NaN
     scale = scaling if scaling is not None else d ** -0.5
-    key = torch.nn.functional.pad(key, (0, 0, 0, padded - width))  # [b, hkv, L, d]: MKL rounds few columns otherwise
+    key = torch.nn.functional.pad(key, (0, 0, 0, padded - width))  # [b, hkv, L, d]: whole blocks of columns
     scores = (q @ key.transpose(-1, -2)) * scale  # [b, hkv, R, L]
     probs = torch.softmax(scores.masked_fill_(~sees, float("-inf")), dim=-1)
     probs = probs.view(b, hkv, rows, blocks, _KEY_BLOCK).transpose(2, 3).contiguous()  # [b, hkv, blocks, R, B]
@@ -111,7 +117,8 @@ AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)  # boolean masks, as
 def use_exact_attention(model: torch.nn.Module) -> bool:
     """Run `model`'s attention through `_exact_attention` (idempotent); False when the model keeps its
     own, not batch-invariant: code that branches on the name of its attention (Falcon's hand-written
-    SDPA call, GPT-2's upcast eager attention), or logit soft-capping and attention sinks, which the exact path does not compute."""
+    SDPA call, GPT-2's upcast eager attention), or logit soft-capping and attention sinks, which the
+    exact path does not compute."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == EXACT_ATTENTION:
         return True
