@@ -18,7 +18,7 @@ import torch
 from . import sampling
 from .config import BatchspecError, SamplingParams, SpecConfig
 from .costs import Costs, measured_costs, wall_clock
-from .drafters import Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NgramLookup, empty_draft
+from .drafters import Draft, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NgramLookup, NoDrafter, empty_draft
 from .kv import check_supported, context_limit, embedding_rows
 from .layouts import Layout, LayoutView, PaddedLayout, RaggedLayout
 from .scheduler import make_scheduler
@@ -132,7 +132,7 @@ class Engine:
         self.staging: Sequence | None = None  # a prompt being prefilled in chunks
         self.staged = 0  # how much of it is in
         self.capacity: int | None = None  # K/V slots per row, once reserved
-        self.drafter: Drafter | None = self.custom_drafter
+        self.drafter: Drafter = self.custom_drafter if self.custom_drafter is not None else NoDrafter()
         self.costs = costs
         self.speculation: Speculation = make_speculation("fixed", self.k, None)
         self._next_id = 0
@@ -193,8 +193,7 @@ class Engine:
         if self.staging is not None and self.staging.index == request_id:
             seq, self.staging, self.staged = self.staging, None, 0
             self.home.discard_staged()
-            if self.drafter is not None:
-                self.drafter.discard_staged()
+            self.drafter.discard_staged()
             seq.abort()
             return seq
         for seq in self.running:
@@ -228,7 +227,7 @@ class Engine:
         else:
             rows = min(rows, self.spec.batch_size)
             self.home = self.layout = self.layout_class(self.target, rows, capacity)
-        self.drafter = self.custom_drafter
+        drafter = self.custom_drafter
         model_drafter = None
         if self.draft_model is not None:
             if self.scheduler.pooled:
@@ -239,13 +238,14 @@ class Engine:
                 layout = self.layout_class(self.draft_model, rows, capacity)
                 lazy = self.spec.speculation == "adaptive" and isinstance(layout, RaggedLayout)
                 model_drafter = ModelDrafter(layout, lazy=lazy)
-        if self.drafter is None and self.spec.speculative:
+        if drafter is None and self.spec.speculative:
             if self.spec.drafter == "ngram":
-                self.drafter = NgramDrafter(self.spec.ngram_min, self.spec.ngram_max, self.layout.device)
+                drafter = NgramDrafter(self.spec.ngram_min, self.spec.ngram_max, self.layout.device)
             elif self.spec.drafter == "hybrid":
-                self.drafter = HybridDrafter(NgramLookup(self.spec.ngram_min, self.spec.ngram_max), model_drafter)
+                drafter = HybridDrafter(NgramLookup(self.spec.ngram_min, self.spec.ngram_max), model_drafter)
             else:
-                self.drafter = model_drafter
+                drafter = model_drafter
+        self.drafter = drafter if drafter is not None else NoDrafter()
         if self.spec.speculative and self.spec.speculation == "adaptive" and self.costs is None:
             self.costs = measured_costs(self.target, self.draft_model, min(rows, self.spec.batch_size), self.k)
         self.speculation = make_speculation(self.spec.speculation if self.spec.speculative else "fixed", self.k, self.costs)
@@ -297,7 +297,7 @@ class Engine:
         """Policy and layout running totals into stats.extra (EXSPEC grouping, time spent keeping
         recurrent states, ...): the target's and the drafter's added up."""
         totals = dict(self.scheduler.counters())
-        for counters in (self.home.counters(), self.drafter.counters() if self.drafter is not None else {}):
+        for counters in (self.home.counters(), self.drafter.counters()):
             for name, value in counters.items():
                 totals[name] = totals.get(name, 0) + value
         self.stats.extra.update(totals)
@@ -316,8 +316,7 @@ class Engine:
             if admitted:
                 admitted.sort(key=lambda s: len(s.prompt_ids))  # equal lengths adjacent: one forward each
                 logits = self.home.prefill([s.prompt_ids for s in admitted])
-                if self.drafter is not None:
-                    self.drafter.add(admitted)
+                self.drafter.add(admitted)
                 self._start(admitted, logits)
         else:
             self._prefill_chunks(self.spec.max_prefill_tokens)
@@ -334,14 +333,12 @@ class Engine:
             seq = self.staging
             chunk = seq.prompt_ids[self.staged : self.staged + budget]
             logits = self.home.stage(chunk)
-            if self.drafter is not None:
-                self.drafter.stage(chunk)
+            self.drafter.stage(chunk)
             self.staged += len(chunk)
             budget -= len(chunk)
             if self.staged == len(seq.prompt_ids):
                 self.home.unstage()
-                if self.drafter is not None:
-                    self.drafter.unstage()
+                self.drafter.unstage()
                 self.staging, self.staged = None, 0
                 self._start([seq], logits[None])
 
@@ -366,9 +363,8 @@ class Engine:
         if self.scheduler.pooled:
             lengths = torch.tensor([s.length - 1 for s in seqs], dtype=torch.long, device=device)
             self.layout.load_rows(self.home, rows, lengths)
-            if self.drafter is not None:
-                self.drafter.load(rows, seqs)
-        if self.drafter is None:
+            self.drafter.load(rows, seqs)
+        if self.k == 0:  # plain decoding: nothing to plan
             plan = RoundPlan(0)
         else:
             plan = self.speculation.plan(seqs, self.drafter.backlog(seqs) if self.speculation.weighs_backlog else None)
@@ -381,7 +377,7 @@ class Engine:
             else:
                 proposal = self.drafter.propose(seqs, plan.steps, pick)
             draft = self.speculation.settle(plan, proposal)
-        elif self.drafter is not None:
+        else:
             self.drafter.skip(seqs)
         t1 = wall_clock(self.target)
         logits = self.layout.forward(torch.cat([pending, draft.tokens], dim=1))
@@ -404,8 +400,7 @@ class Engine:
         lengths = torch.tensor([s.length - 1 for s in seqs], dtype=torch.long, device=device)
         if self.scheduler.pooled:
             self.layout.save_rows(self.home, rows, lengths)
-            if self.drafter is not None:
-                self.drafter.save(rows, seqs)
+            self.drafter.save(rows, seqs)
         else:
             self.layout.commit(lengths)
         self.stats.rounds += 1
@@ -430,8 +425,7 @@ class Engine:
         finished = [s for s in self.running if s.finished]
         self.speculation.forget(finished)
         order = self.home.drop(keep)
-        if self.drafter is not None:
-            self.drafter.drop(keep)
+        self.drafter.drop(keep)
         self.running = [self.running[i] for i in order]
         return finished
 
@@ -444,4 +438,4 @@ class Engine:
                             [s.tokens[:-1] for s in self.running], sample)]
         if self.layout is not self.home:
             views.append(LayoutView("target group", self.layout, None, [], []))
-        return views + (self.drafter.views(self.running, sample) if self.drafter is not None else [])
+        return views + self.drafter.views(self.running, sample)

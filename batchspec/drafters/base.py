@@ -11,7 +11,7 @@ from ..draft import SHARED_CATCH_UP, Draft, Picker, empty_draft, pick_argmax
 from ..layouts.base import LayoutView, swap_remove_order
 from ..sequence import Sequence
 
-__all__ = ["SHARED_CATCH_UP", "Draft", "Drafter", "Picker", "Steering", "empty_draft", "pick_argmax"]
+__all__ = ["SHARED_CATCH_UP", "Draft", "Drafter", "NoDrafter", "Picker", "Steering", "empty_draft", "pick_argmax"]
 
 class Steering(Protocol):
     """Decides, while a drafter drafts, whether another drafting step is worth its cost.
@@ -100,3 +100,11 @@ class Drafter(ABC):
     def views(self, seqs: list[Sequence], sample_rows: list[int]) -> list[LayoutView]:
         """What the invariant checker should verify of this drafter's state (nothing by default)."""
         return []
+
+
+class NoDrafter(Drafter):
+    """The drafter of plain decoding: proposes nothing and keeps no state, so the engine calls every
+    drafter hook unconditionally (a round plans no drafting step for it: the engine's K is 0)."""
+
+    def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
+        return empty_draft(len(seqs), torch.device("cpu"))
