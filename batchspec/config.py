@@ -97,8 +97,8 @@ class ModelConfig:
 def half_precision_refusal(dtype_name: str) -> BatchspecError:
     """Why a half-precision target is refused: the engine's exactness is batch invariance (a row's
     logits do not depend on the rows and tokens sharing its forward), and torch's bfloat16 and
-    float16 products round differently with the number of rows (plain decoding at batch 4 already
-    differed from batch 1 on a tiny model), so outputs could differ from plain decoding."""
+    float16 products round differently with the number of rows (issue 33's review found plain
+    decoding at batch 4 differing from batch 1 on a tiny model), so outputs could differ."""
     return BatchspecError(
         f"a {dtype_name} target is not batch-invariant (torch's half-precision products round differently with "
         "the number of rows a forward feeds), so outputs could differ from plain decoding of each prompt alone: "

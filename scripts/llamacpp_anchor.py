@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from child_runs import run_children  # noqa: E402
 from quant_fidelity import common_prefix, cpu_line, prompts  # noqa: E402
 
 ENGINES = ("llama.cpp", "batchspec-none", "batchspec-int8", "batchspec-int4")
@@ -177,24 +177,10 @@ def main() -> int:
             import llama_cpp  # noqa: F401
         except ImportError:
             parser.error("llama-cpp-python is not installed: pip install -e '.[anchor]' (builds llama.cpp, ~15 min)")
-    path = Path(args.results)
-    runs: dict = json.loads(path.read_text()) if path.is_file() else {}
-    key = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens}
-    if runs.get("_settings") != key:
-        runs = {}
-    runs["_settings"] = key
-    for name in engines:
-        if name in runs:
-            continue
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        with tempfile.TemporaryDirectory() as work:
-            out = Path(work) / "result.json"
-            subprocess.run([sys.executable, __file__, "--child", name, "--child-out", str(out),
-                            "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
-                            "--threads", str(args.threads)], check=True)
-            runs[name] = json.loads(out.read_text())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(runs))
+    runs = run_children(__file__, engines, Path(args.results),
+                        {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens},
+                        ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
+                         "--threads", str(args.threads)])
     print(report(runs, engines))
     return 0
 

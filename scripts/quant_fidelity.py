@@ -24,11 +24,11 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from child_runs import run_children
 
 FORMATS = {  # name -> (quantization, group size, env)
     "none": ("none", 32, {}),
@@ -150,24 +150,10 @@ def main() -> int:
         parser.error(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
     if "none" not in formats:
         formats.insert(0, "none")
-    path = Path(args.tokens)
-    runs: dict[str, dict] = json.loads(path.read_text()) if path.is_file() else {}
-    key = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens}
-    if runs.get("_settings") not in (None, key):
-        runs = {}
-    runs["_settings"] = key
-    for name in formats:
-        if name in runs:
-            continue
-        print(f"decoding with {name} ...", file=sys.stderr, flush=True)
-        env = {**os.environ, **FORMATS[name][2]}
-        with tempfile.TemporaryDirectory() as work:
-            out = Path(work) / "tokens.json"
-            subprocess.run([sys.executable, __file__, "--child", name, "--child-out", str(out), "--num-prompts",
-                            str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)], env=env, check=True)
-            runs[name] = json.loads(out.read_text())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(runs))
+    runs = run_children(__file__, formats, Path(args.tokens),
+                        {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens},
+                        ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)],
+                        lambda name: FORMATS[name][2])
     print(report(runs, formats))
     return 0
 

@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
+from test_kv import plain_logits
 from tinyworld import ScriptedCosts, perturbed_copy, random_prompts, tiny_model
 
 from batchspec.cli import main as cli_main
 from batchspec.config import NGRAM, BatchspecError, ModelConfig, SamplingParams, SpecConfig
 from batchspec.kernels import apply_linear_kernel
-from batchspec.kv import forward_plain, new_dynamic_cache
 from batchspec.build import build_engine
 from batchspec.methods import SCHEDULERS, correct_methods
 from batchspec.models import load_pair
@@ -25,14 +25,6 @@ from batchspec.reference import greedy_decode
 MAX_NEW = 12
 TIE_AT = 5  # the generated position whose two best tokens are made 5e-6 apart
 GAP = 5e-6
-
-
-def _plain_step_logits(model: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    """[len(generated), vocab] plain decoding's logits for each generated position."""
-    cache = new_dynamic_cache(model)
-    out = [forward_plain(model, torch.tensor([prompt]), cache)[0]]
-    out += [forward_plain(model, torch.tensor([[t]]), cache)[0] for t in generated[:-1]]
-    return torch.stack(out)
 
 
 @functools.cache
@@ -46,7 +38,7 @@ def world() -> tuple[torch.nn.Module, torch.nn.Module, list[list[int]]]:
     hidden: list[torch.Tensor] = []
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda module, args, out: hidden.append(args[0][0, -1]))
-    logits = _plain_step_logits(model, prompts[0], generated)[TIE_AT]
+    logits = plain_logits(model, prompts[0], generated[:-1])[TIE_AT]
     hook.remove()
     h = hidden[TIE_AT]
     best, second = logits.topk(2).indices.tolist()
@@ -63,7 +55,7 @@ def world() -> tuple[torch.nn.Module, torch.nn.Module, list[list[int]]]:
 def test_the_edited_target_holds_a_near_tie_in_plain_decoding():
     model, _, prompts = world()
     generated = greedy_decode(model, prompts[0], MAX_NEW)
-    top = _plain_step_logits(model, prompts[0], generated)[TIE_AT].topk(2).values
+    top = plain_logits(model, prompts[0], generated[:-1])[TIE_AT].topk(2).values
     assert 0 <= float(top[0] - top[1]) < 4 * GAP
 
 

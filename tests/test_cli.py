@@ -213,6 +213,19 @@ def _stream_interrupted_after(monkeypatch, count: int) -> None:
     monkeypatch.setattr(LLM, "stream", stream)
 
 
+def _count_decoded(monkeypatch) -> list[str]:
+    """The prompts `LLM.stream` is asked to decode from now on (what a resumed run decodes again)."""
+    decoded: list = []
+    original = LLM.stream
+
+    def counting_stream(self, prompts, params=None):
+        decoded.extend(prompts)
+        yield from original(self, prompts, params)
+
+    monkeypatch.setattr(LLM, "stream", counting_stream)
+    return decoded
+
+
 def test_ctrl_c_keeps_finished_records_and_resume_completes_the_output(tmp_path, tiny_pair_dirs, monkeypatch, capsys):
     prompts = _word_prompts(tmp_path, 7)
     ids = ["w0", "w1", "2", "w2", "w3", "w4", "w5", "w6"]
@@ -232,14 +245,7 @@ def test_ctrl_c_keeps_finished_records_and_resume_completes_the_output(tmp_path,
     assert main(args) == 2  # a plain rerun would throw the finished records away
     assert "holds records of an interrupted run: pass --resume" in _one_error_line(capsys, "generate")
 
-    decoded: list[str] = []
-    original = LLM.stream
-
-    def counting_stream(self, prompts, params=None):
-        decoded.extend(prompts)
-        yield from original(self, prompts, params)
-
-    monkeypatch.setattr(LLM, "stream", counting_stream)
+    decoded = _count_decoded(monkeypatch)
     assert main([*args, "--resume"]) == 0
     assert len(decoded) == 4  # only the prompts without a record
     assert json.loads(capsys.readouterr().out)["resumed"] == 3  # the error record is tried again
@@ -298,14 +304,7 @@ def test_resume_decodes_forged_records_and_error_records_again(tmp_path, tiny_pa
     good = {r["id"]: r for r in rows}
     forged = [{"id": "0", "prompt": "the water is long", "text": "FORGED"}, {**rows[1], "token_ids": "zz"}, rows[2]]
     partial.write_text("".join(json.dumps(r) + "\n" for r in forged))
-    decoded: list[str] = []
-    original = LLM.stream
-
-    def counting_stream(self, prompts, params=None):
-        decoded.extend(prompts)
-        yield from original(self, prompts, params)
-
-    monkeypatch.setattr(LLM, "stream", counting_stream)
+    decoded = _count_decoded(monkeypatch)
     capsys.readouterr()
     assert main([*args, "--resume", "--keep-errors"]) == 0
     err = capsys.readouterr().err

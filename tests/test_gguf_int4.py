@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_models import PREFIX, QWEN2_GGUF_NAMES, make_chunk_packages
+from test_models import PREFIX, make_chunk_packages, write_gguf
 from tinyworld import tiny_model
 
 from batchspec import bundled
@@ -93,49 +93,25 @@ Q4K_LINEARS = ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
 def write_q4k_gguf(path: Path, model: torch.nn.Module) -> dict[str, np.ndarray]:
     """A tiny qwen2 GGUF whose block linears are random Q4_K blocks (v_proj Q8_0, the rest F32); the
     float model gets the dequantized values, as a real conversion would. Returns the Q4_K rows by module."""
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    tokens = ["<s>", "</s>"] + [chr(33 + i) for i in range(config.vocab_size - 3)] + ["ab"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * (len(tokens) - 2))
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    top_level = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}
+    import gguf
+
     q4k: dict[str, np.ndarray] = {}
-    state = model.state_dict()
-    for index, (name, tensor) in enumerate(state.items()):
-        if name not in top_level:
-            _, _, layer, *rest = name.split(".")
-            top_level[name] = f"blk.{layer}.{QWEN2_GGUF_NAMES['.'.join(rest)]}"
+
+    def encode(index: int, name: str, tensor: torch.Tensor) -> tuple:
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in Q4K_LINEARS:
             rows, cols = tensor.shape
-            blocks = random_q4k(rows, cols, seed=index)
-            q4k[module] = blocks
-            writer.add_tensor(top_level[name], blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-            tensor.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)))
+            blocks = q4k[module] = random_q4k(rows, cols, seed=index)
+            kind = gguf.GGMLQuantizationType.Q4_K
         elif name.endswith("v_proj.weight"):
-            blocks = gguf.quants.quantize(tensor.numpy(), gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(top_level[name], blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            tensor.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)))
+            kind = gguf.GGMLQuantizationType.Q8_0
+            blocks = gguf.quants.quantize(tensor.numpy(), kind)
         else:
-            writer.add_tensor(top_level[name], tensor.numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return tensor.numpy().astype(np.float32), None
+        tensor.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
+        return blocks, kind
+
+    write_gguf(path, model, encode)
     return q4k
 
 

@@ -92,7 +92,7 @@ def test_the_matmul_shapes_exact_attention_uses_round_alike_on_this_cpu(threads)
             assert torch.equal((p[:rows] @ v)[0], block), (dim, rows)
 
 
-def _plain_logits(model: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+def plain_logits(model: torch.nn.Module, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """Plain decoding's logits [1 + len(continuation), vocab]: after the prompt (one prefill
     forward), then after each continuation token (one-token steps), on transformers' own cache."""
     cache = new_dynamic_cache(model)
@@ -119,7 +119,7 @@ def test_every_forward_of_a_row_gives_plain_decodings_logits_bit_for_bit(arch, l
     step and a 3-token verify: every logit of every row equals plain decoding's, where the prompt
     is prefilled alone and every later token is a one-token step."""
     model = _exact_model(arch)
-    plain = [_plain_logits(model, p, f) for p, f in zip(PROMPTS, FOLLOW)]
+    plain = [plain_logits(model, p, f) for p, f in zip(PROMPTS, FOLLOW)]
     layout = layout_class(model, 3, 64)
     assert attention_path(model) == "exact"
     first = layout.prefill(PROMPTS)
@@ -145,7 +145,7 @@ def test_catch_ups_and_chunked_prefill_give_plain_decodings_logits(threads):
     """A row caught up in one forward of its own (`feed_row`, the drafter's long catch-up) and a
     prompt prefilled in chunks into the staging row, then verified beside the others."""
     model = _exact_model("qwen2")
-    plain = [_plain_logits(model, p, f) for p, f in zip(PROMPTS, FOLLOW)]
+    plain = [plain_logits(model, p, f) for p, f in zip(PROMPTS, FOLLOW)]
     layout = RaggedLayout(model, 3, 64)
     layout.prefill([PROMPTS[0][:3], PROMPTS[1]])
     layout.feed_row(0, PROMPTS[0][3:])
@@ -163,7 +163,7 @@ def test_transformers_sdpa_would_not_give_plain_decodings_bits():
     above can tell the paths apart."""
     model = _exact_model("qwen2")
     model.set_attn_implementation("sdpa")
-    plain = _plain_logits(model, PROMPTS[2], FOLLOW[2])
+    plain = plain_logits(model, PROMPTS[2], FOLLOW[2])
     layout = RaggedLayout(model, 3, 64)
     model.set_attn_implementation("sdpa")  # the layout installed the exact path: take it back out
     layout.prefill(PROMPTS)
@@ -195,7 +195,7 @@ def test_rows_shorter_and_longer_than_a_key_block_give_plain_decodings_logits(th
     span whole blocks read in place) equals the same row alone (one zero-padded block)."""
     model = _exact_model("qwen2")
     prompts = [[(3 * i + r) % 90 + 3 for i in range(n)] for r, n in enumerate((100, 300, 129))]
-    plain = [_plain_logits(model, p, f[:4]) for p, f in zip(prompts, FOLLOW)]
+    plain = [plain_logits(model, p, f[:4]) for p, f in zip(prompts, FOLLOW)]
     layout = RaggedLayout(model, 3, 320)
     first = layout.prefill(prompts)
     logits = layout.forward(torch.tensor([f[:3] for f in FOLLOW]))

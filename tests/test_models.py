@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -109,11 +110,11 @@ QWEN2_GGUF_NAMES = {
 }
 
 
-def write_tiny_gguf(path: Path, model: torch.nn.Module) -> bytes:
-    """Write a tiny qwen2 model as an unquantized GGUF file (with a small byte-level BPE vocabulary).
-
-    Lets the real GGUF load and conversion paths run in milliseconds instead of minutes.
-    """
+def write_gguf(
+    path: Path, model: torch.nn.Module, encode: Callable[[int, str, torch.Tensor], tuple] | None = None
+) -> None:
+    """Write a tiny qwen2 model as a GGUF file (with a small byte-level BPE vocabulary); `encode(index,
+    name, tensor)` gives each tensor's (data, raw GGML type or None), float32 data by default."""
     import gguf
 
     config = model.config
@@ -134,16 +135,26 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module) -> bytes:
     writer.add_token_merges(["a b"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
-    top_level = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    for name, tensor in model.state_dict().items():
+    top_level = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+    for index, (name, tensor) in enumerate(model.state_dict().items()):
         if name not in top_level:
             _, _, layer, *rest = name.split(".")
             top_level[name] = f"blk.{layer}.{QWEN2_GGUF_NAMES['.'.join(rest)]}"
-        writer.add_tensor(top_level[name], tensor.numpy().astype(np.float32))
+        data, raw_dtype = (tensor.numpy().astype(np.float32), None) if encode is None else encode(index, name, tensor)
+        writer.add_tensor(top_level[name], data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_tiny_gguf(path: Path, model: torch.nn.Module) -> bytes:
+    """Write a tiny qwen2 model as an unquantized GGUF file and return its bytes.
+
+    Lets the real GGUF load and conversion paths run in milliseconds instead of minutes.
+    """
+    write_gguf(path, model)
     return path.read_bytes()
 
 

@@ -24,29 +24,53 @@ _KEY_BLOCK = 128
 
 
 class _KeyPlan:
-    """Which slots each row's queries read, compacted: slot order[b, j] becomes key j of row b, the
-    row's visible slots first in slot order, so key j is the row's j-th token as in plain decoding's
-    cache. None when every row's visible slots already are [0, count) (ragged rows, plain decoding)."""
+    """What every layer of one forward shares: which slots each row's queries read, compacted (slot
+    order[b, j] becomes key j of row b, the row's visible slots first in slot order, so key j is the
+    row's j-th token as in plain decoding's cache; None when every row's visible slots already are
+    [0, width): ragged rows, plain decoding), the key blocks, and the padded visibility `sees`
+    [b, 1, R, L] of the R >= _MIN_QUERY_ROWS query rows (query heads folded onto their K/V head)."""
 
-    def __init__(self, visible: torch.Tensor) -> None:
-        seen = visible.any(dim=1)  # [b, l] slots some query of the row attends to
+    def __init__(self, visible: torch.Tensor, groups: int) -> None:
+        b, m, slots = visible.shape  # visible [b, m, slots]: query i of row b sees slot j
+        seen = visible.any(dim=1)  # [b, slots] slots some query of the row attends to
         count = seen.sum(dim=-1)
         self.width = max(int(count.max()), 1)
-        prefix = torch.arange(seen.shape[-1], device=seen.device)[None] < count[:, None]
+        prefix = torch.arange(slots, device=seen.device)[None] < count[:, None]
         self.order = None if bool(torch.equal(seen, prefix)) else torch.argsort(
             (~seen).to(torch.int8), dim=-1, stable=True)[:, : self.width]
+        if self.order is None:
+            visible = visible[..., : self.width]
+        else:
+            visible = visible.gather(2, self.order[:, None, :].expand(b, m, self.width))
+        self.full, self.tail = divmod(self.width, _KEY_BLOCK)
+        self.blocks = self.full + (self.tail > 0)
+        self.padded = self.blocks * _KEY_BLOCK
+        self.rows = max(groups * m, _MIN_QUERY_ROWS)
+        sees = visible[:, None, None].expand(b, 1, groups, m, self.width).reshape(b, 1, groups * m, self.width)
+        sees = torch.nn.functional.pad(sees, (0, self.padded - self.width, 0, self.rows - groups * m), value=False)
+        sees[..., 0] |= ~sees.any(dim=-1)  # a query that sees nothing (padding) reads key 0, not NaN
+        self.hidden = ~sees  # [b, 1, R, L] the scores to mask
 
 
 _memo = threading.local()  # per thread (a server's engine loop and a test's oracle may run at once)
 
 
-def _key_plan(attention_mask: torch.Tensor, visible: torch.Tensor) -> _KeyPlan:
-    """Every layer of a forward gets the same mask object: plan once per forward, not per layer (the
-    memo holds the mask, so no later mask can be the same object)."""
-    mask, plan = getattr(_memo, "last", (None, None))
-    if mask is not attention_mask:
-        plan = _KeyPlan(visible)
-        _memo.last = (attention_mask, plan)
+def _key_plan(attention_mask: torch.Tensor | None, b: int, m: int, slots: int, groups: int,
+              device: torch.device) -> _KeyPlan:
+    """Plan once per forward, not per layer: every layer of a forward gets the same mask object (the
+    memo holds it, so no later mask can be the same object), or none (causal: the shape says it all)."""
+    if attention_mask is None:  # plain decoding's cache: every row's keys are its tokens, from slot 0
+        key: object = (b, m, slots, groups, device)
+        cached, plan = getattr(_memo, "causal", (None, None))
+        if cached != key:
+            positions = torch.arange(slots, device=device)
+            plan = _KeyPlan((positions[None] <= positions[slots - m :, None])[None].expand(b, m, slots), groups)
+            _memo.causal = (key, plan)
+        return plan
+    cached, cached_groups, plan = getattr(_memo, "masked", (None, None, None))
+    if cached is not attention_mask or cached_groups != groups:
+        plan = _KeyPlan(attention_mask[:, 0].expand(b, m, slots), groups)
+        _memo.masked = (attention_mask, groups, plan)
     return plan
 
 
@@ -67,40 +91,25 @@ def _exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     query [b, hq, m, d]; key, value [b, hkv, l, d]; attention_mask [b, 1, m, l] bool (True: attend)
     or None (causal: query i sees keys [0, l - m + i]). Returns [b, m, hq, d] as transformers wants."""
     b, hq, m, d = query.shape
-    hkv, l = key.shape[1], key.shape[2]
+    hkv = key.shape[1]
     g = hq // hkv
-    if attention_mask is None:  # plain decoding's cache: every row's keys are its tokens, from slot 0
-        width, order = l, None
-        positions = torch.arange(l, device=query.device)
-        visible = (positions[None] <= positions[l - m :, None])[None].expand(b, m, l)
-    else:
-        visible = attention_mask[:, 0].expand(b, m, l)
-        plan = _key_plan(attention_mask, visible)
-        width, order = plan.width, plan.order
-    if order is not None:
-        index = order[:, None, :, None].expand(b, hkv, width, d)
+    plan = _key_plan(attention_mask, b, m, key.shape[2], g, query.device)
+    width, rows, full, tail = plan.width, plan.rows, plan.full, plan.tail
+    if plan.order is not None:
+        index = plan.order[:, None, :, None].expand(b, hkv, width, d)
         key, value = key.gather(2, index), value.gather(2, index)
-        visible = visible.gather(2, order[:, None, :].expand(b, m, width))
-    else:
-        key, value, visible = key[:, :, :width], value[:, :, :width], visible[..., :width]
-    full, tail = divmod(width, _KEY_BLOCK)
-    blocks = full + (tail > 0)
-    padded = blocks * _KEY_BLOCK
-    rows = max(g * m, _MIN_QUERY_ROWS)
     q = torch.nn.functional.pad(query.reshape(b, hkv, g * m, d), (0, 0, 0, rows - g * m))  # [b, hkv, R, d]
-    sees = visible[:, None, None].expand(b, 1, g, m, width).reshape(b, 1, g * m, width)
-    sees = torch.nn.functional.pad(sees, (0, padded - width, 0, rows - g * m), value=False)
-    sees[..., 0] |= ~sees.any(dim=-1)  # a query that sees nothing (padding) reads key 0, not NaN
     scale = scaling if scaling is not None else d ** -0.5
-    key = torch.nn.functional.pad(key, (0, 0, 0, padded - width))  # [b, hkv, L, d]: whole blocks of columns
+    # [b, hkv, L, d], whole blocks of columns (MKL rounds a few dozen columns differently)
+    key = torch.nn.functional.pad(key[:, :, :width], (0, 0, 0, plan.padded - width))
     scores = (q @ key.transpose(-1, -2)) * scale  # [b, hkv, R, L]
-    probs = torch.softmax(scores.masked_fill_(~sees, float("-inf")), dim=-1)
-    probs = probs.view(b, hkv, rows, blocks, _KEY_BLOCK).transpose(2, 3).contiguous()  # [b, hkv, blocks, R, B]
+    probs = torch.softmax(scores.masked_fill_(plan.hidden, float("-inf")), dim=-1)
+    probs = probs.view(b, hkv, rows, plan.blocks, _KEY_BLOCK).transpose(2, 3).contiguous()  # [b, hkv, blocks, R, B]
     parts = []  # [b, hkv, *, R, d]: full blocks straight from the K/V buffer, the last one zero-padded
     if full:
         parts.append(probs[:, :, :full] @ value[:, :, : full * _KEY_BLOCK].reshape(b, hkv, full, _KEY_BLOCK, d))
     if tail:
-        last = torch.nn.functional.pad(value[:, :, full * _KEY_BLOCK :], (0, 0, 0, _KEY_BLOCK - tail))
+        last = torch.nn.functional.pad(value[:, :, full * _KEY_BLOCK : width], (0, 0, 0, _KEY_BLOCK - tail))
         parts.append(probs[:, :, full:] @ last[:, :, None])
     blocks_out = [part[:, :, i] for part in parts for i in range(part.shape[2])]  # in key order
     out = blocks_out[0]
@@ -116,29 +125,30 @@ AttentionMaskInterface.register(EXACT_ATTENTION, sdpa_mask)  # boolean masks, as
 
 def use_exact_attention(model: torch.nn.Module) -> bool:
     """Run `model`'s attention through `_exact_attention` (idempotent); False when the model keeps its
-    own, not batch-invariant: code that branches on the name of its attention (Falcon's hand-written
-    SDPA call, GPT-2's upcast eager attention), or logit soft-capping and attention sinks, which the
-    exact path does not compute."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl == EXACT_ATTENTION:
+    own, not batch-invariant (`_keeps_own_attention`; remembered, reading its source is slow)."""
+    if getattr(model.config, "_attn_implementation", None) == EXACT_ATTENTION:
         return True
-    if model.__dict__.get("_batchspec_keeps_attention"):  # checked before (reading its source is slow)
-        return False
-    model.__dict__["_batchspec_keeps_attention"] = True
-    config = model.config.get_text_config()
-    if impl not in ("sdpa", "eager") or getattr(config, "attn_logit_softcapping", None):
-        return False
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
-        return False
-    try:
-        source = inspect.getsource(sys.modules[type(model).__module__])
-    except (KeyError, OSError, TypeError):  # code without a source file to read: keep what it has
-        return False
-    if f'_attn_implementation == "{impl}"' in source:  # its code does something of its own under that name
+    if model.__dict__.get("_batchspec_keeps_attention") or _keeps_own_attention(model):
+        model.__dict__["_batchspec_keeps_attention"] = True
         return False
     model.set_attn_implementation(EXACT_ATTENTION)
-    del model.__dict__["_batchspec_keeps_attention"]
     return True
+
+
+def _keeps_own_attention(model: torch.nn.Module) -> bool:
+    """Attention the exact path cannot stand in for: code that branches on the name of its attention
+    (Falcon's hand-written SDPA call, GPT-2's upcast eager attention), logit soft-capping and
+    attention sinks (which the exact path does not compute), or code without a source to check."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager") or getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
+        return True
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        return True
+    try:
+        source = inspect.getsource(sys.modules[type(model).__module__])
+    except (KeyError, OSError, TypeError):
+        return True
+    return f'_attn_implementation == "{impl}"' in source
 
 
 def attention_path(model: torch.nn.Module) -> str:

@@ -67,10 +67,11 @@ class RoundSteering:
         self.alpha[:, step] = self.policy.model.calibrate(self.seqs, step, confidence, source)
         self.steps = step + 1
 
-    def cumulative(self, width: int, alpha: torch.Tensor | None = None) -> torch.Tensor:
+    def cumulative(self, width: int, alpha: torch.Tensor | None = None,
+                   caps: torch.Tensor | None = None) -> torch.Tensor:
         """[b, width] P(row b accepts its first j + 1 drafts), 0 past each row's cap; from `alpha`
-        [b, k_max] per-slot probabilities instead of the round's own when given."""
-        alive = torch.arange(width)[None, :] < self.caps[:, None]
+        [b, k_max] per-slot probabilities and `caps` [b] instead of the round's own when given."""
+        alive = torch.arange(width)[None, :] < (self.caps if caps is None else caps)[:, None]
         return torch.cumprod((self.alpha if alpha is None else alpha)[:, :width], dim=1) * alive
 
 
@@ -253,11 +254,10 @@ class AdaptiveSpeculation(Speculation):
         about as dear, as the measured CPU tables are) that biases the emitted tokens
         (`tests/test_speculation.py`)."""
         top = int(planned.max())
-        alive = torch.arange(top)[None, :] < planned[:, None]
         for slot in range(min(drafted, top)):
             alpha = steer.predicted.clone()
             alpha[:, : slot + 1] = steer.alpha[:, : slot + 1]
-            cumulative = torch.cumprod(alpha[:, :top], dim=1) * alive
+            cumulative = steer.cumulative(top, alpha, planned)
             _, stop = self.best_width(steer, 0, slot, slot + 1, cumulative=cumulative)
             _, go = self.best_width(steer, slot + 1, top, slot + 1, cumulative=cumulative)
             if go <= stop:
