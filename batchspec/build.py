@@ -1,6 +1,10 @@
-"""The one factory that turns a SpecConfig into an engine: the method's layout (its stateful layout
-for a model with recurrent state), the refusal of targets that cannot be exact, and the per-round
-invariant checker when asked for. Kept apart from the method table (`methods.py`), which
+"""The one factory: a SpecConfig and models in, an engine out.
+
+`build_engine` checks what can never be exact or decoded (half-precision targets, methods that cannot
+carry a model's recurrent state), picks each model's layout (`methods.layout_for`) and injects the
+per-round invariant checker when asked for. `Parts` builds what the engine's rows are made of (the
+layouts, the drafter, the cost model and the speculation policy) once the engine reserves memory,
+when row counts and K/V capacity are known. Kept apart from the method table (`methods.py`), which
 configuration checks read without importing any of what an engine is made of."""
 
 from __future__ import annotations
@@ -10,13 +14,19 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .config import SpecConfig, half_precision_refusal
-from .costs import Costs
-from .drafters import Drafter
+from .costs import Costs, measured_costs
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NgramLookup, NoDrafter
 from .engine import Engine
 from .errors import BatchspecError
-from .kv import is_stateful
-from .layouts import Layout
-from .methods import METHODS, Method, resolve
+from .kv import check_supported, context_limit, embedding_rows, is_stateful
+from .layouts import Layout, RaggedLayout
+from .methods import METHODS, layout_for
+from .rows import PooledRows, Rows
+from .scheduler import Scheduler
+from .speculation import Speculation, make_speculation
+
+# (model, rows, K/V slots per row) -> that model's layout
+LayoutFactory = Callable[[torch.nn.Module, int, int], Layout]
 
 
 def build_engine(
@@ -26,52 +36,116 @@ def build_engine(
     draft_model: torch.nn.Module | None = None,
     drafter: Drafter | None = None,
     costs: Costs | None = None,
+    layout: LayoutFactory | None = None,
 ) -> Engine:
-    """The engine for `spec.method`, with the method's layout (its stateful layout for a model with
-    recurrent state), and the per-round invariant checker injected when `spec.check_invariants` asks
-    for it (the engine itself knows nothing of forensics). `costs`: the cost model adaptive
-    speculation decides on (None: measured when first needed)."""
+    """The engine for `spec.method`. `drafter`: one to use instead of the one `spec.drafter` names;
+    `costs`: the cost model adaptive speculation decides on (None: measured when first needed);
+    `layout`: a layout factory replacing the method's (tests and scripts that compare layouts)."""
     dtype = next(target.parameters()).dtype
     if dtype in (torch.bfloat16, torch.float16):
         raise half_precision_refusal(str(dtype).removeprefix("torch."))
     method = METHODS[spec.method]
+    models = [m for m in (target, draft_model) if m is not None]
+    if method.needs_state and not is_stateful(target):
+        raise BatchspecError(
+            f"method {method.name} breaks recurrent state on purpose: it needs a target with recurrent state"
+        )
+    for model in models:
+        layout_for(model, spec.method)  # refuses a method that cannot carry this model's state, now
+    stateful = [m for m in models if is_stateful(m)]
+    if stateful and spec.max_prefill_tokens is not None:
+        kind = stateful[0].config.get_text_config().model_type
+        raise BatchspecError(f"chunked prefill (max_prefill_tokens) is not supported for {kind} (recurrent state) yet")
     checker = None
     if spec.check_invariants:
         from .forensics.invariants import check_views
 
         checker = check_views
-    layout = _stateful_layouts(method, spec, target, draft_model) or method.layout_class()
-    return method.engine_class()(
-        target, spec, layout, stop_ids, draft_model=draft_model, drafter=drafter, checker=checker, costs=costs,
-    )
+    if layout is None:
+        def layout(model: torch.nn.Module, rows: int, capacity: int) -> Layout:
+            return layout_for(model, spec.method)(model, rows, capacity)
+
+    parts = Parts(target, spec, layout, draft_model=draft_model, drafter=drafter, costs=costs)
+    return method.engine_class()(spec, parts, stop_ids, checker=checker)
 
 
-def _stateful_layouts(
-    method: Method, spec: SpecConfig, target: torch.nn.Module, draft_model: torch.nn.Module | None
-) -> Callable[[torch.nn.Module, int, int], Layout] | None:
-    """When the target or the drafter has recurrent state, a layout factory (called like a Layout
-    class) that puts each stateful model on the method's stateful layout and any other model on its
-    usual one (an attention drafter of a stateful target keeps its cursors); else None. Methods
-    without a stateful layout are refused for such models with one line."""
-    stateful = [m for m in (target, draft_model) if m is not None and is_stateful(m)]
-    if method.needs_state and not is_stateful(target):
-        raise BatchspecError(
-            f"method {method.name} breaks recurrent state on purpose: it needs a target with recurrent state"
-        )
-    if not stateful:
-        return None
-    kind = stateful[0].config.get_text_config().model_type
-    if method.stateful_layout is None:
-        able = ", ".join(name for name, m in METHODS.items() if m.stateful_layout and not m.deliberately_wrong)
-        raise BatchspecError(
-            f"method {method.name} cannot decode {kind} (recurrent state: pad tokens and realignment would enter it); "
-            f"use {able}"
-        )
-    if spec.max_prefill_tokens is not None:
-        raise BatchspecError(f"chunked prefill (max_prefill_tokens) is not supported for {kind} (recurrent state) yet")
-    plain, with_state = method.layout_class(), resolve(method.stateful_layout)
+class Parts:
+    """What an engine's rows are made of. Checked at once (models supported, a draft model where the
+    drafter needs one, K within the context); built by `reserve`, when sizes are known."""
 
-    def make(model: torch.nn.Module, max_rows: int, capacity: int) -> Layout:
-        return (with_state if is_stateful(model) else plain)(model, max_rows, capacity)
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        spec: SpecConfig,
+        layout: LayoutFactory,
+        draft_model: torch.nn.Module | None = None,
+        drafter: Drafter | None = None,
+        costs: Costs | None = None,
+    ) -> None:
+        check_supported(target)
+        uses_model = spec.speculative and drafter is None and spec.drafter != "ngram"
+        if uses_model and draft_model is None:
+            raise BatchspecError(f"method {spec.method!r} with the {spec.drafter} drafter needs a draft model")
+        if uses_model:
+            check_supported(draft_model)
+        self.target = target
+        self.spec = spec
+        self.layout = layout
+        self.draft_model = draft_model if uses_model else None
+        self.custom_drafter = drafter if spec.speculative else None
+        self.costs = costs
+        models = [m for m in (target, self.draft_model) if m is not None]
+        self.device = next(target.parameters()).device
+        self.limit = min((x for x in map(context_limit, models) if x is not None), default=None)
+        self.vocab = min(embedding_rows(m) for m in models)
+        k = spec.max_drafts
+        if self.limit is not None and k + 2 > self.limit:
+            # a round feeds K + 1 tokens after at least one of the prompt (cost calibration too)
+            raise BatchspecError(f"num_draft_tokens {k} cannot fit the model's context of {self.limit} tokens: a "
+                                 f"round verifies K + 1 tokens after the prompt (K at most {self.limit - 2})")
 
-    return make
+    def reserve(self, rows: int | None, capacity: int, scheduler: Scheduler) -> tuple[Rows, Speculation]:
+        """Every layout allocated once, `capacity` K/V slots per row, for `rows` sequences in flight
+        (None: as many as the policy uses: batch size, or EXSPEC's window), fewer if `max_kv_slots`
+        cannot hold them; and the speculation policy, on costs measured now if it needs them."""
+        spec, budget = self.spec, self.spec.max_kv_slots
+        most = scheduler.window_size if scheduler.pooled else spec.batch_size
+        rows = most if rows is None else rows
+        if budget is not None:
+            rows = min(rows, budget // capacity)
+        if rows < 1:
+            raise BatchspecError(f"max_kv_slots {budget} cannot hold one row of {capacity} slots")
+        rows = min(rows, most)
+        group = min(spec.batch_size, rows)  # rows one round runs
+        drafter = self._drafter(rows, group, capacity, scheduler.pooled)
+        if scheduler.pooled:
+            kept: Rows = PooledRows(RaggedLayout(self.target, rows, capacity),
+                                    self.layout(self.target, group, capacity), drafter)
+        else:
+            kept = Rows(self.layout(self.target, rows, capacity), drafter)
+        adaptive = spec.speculative and spec.speculation == "adaptive"
+        if adaptive and self.costs is None:
+            self.costs = measured_costs(self.target, self.draft_model, group, spec.max_drafts)
+        return kept, make_speculation(spec.speculation if spec.speculative else "fixed", spec.max_drafts, self.costs)
+
+    def _drafter(self, rows: int, group: int, capacity: int, pooled: bool) -> Drafter:
+        """The drafter `spec.drafter` names (or the one given), its rows laid out like the target's."""
+        spec = self.spec
+        if not spec.speculative:
+            return NoDrafter()
+        if self.custom_drafter is not None:
+            return self.custom_drafter
+        if spec.drafter == "ngram":
+            return NgramDrafter(spec.ngram_min, spec.ngram_max, self.device)
+        assert self.draft_model is not None  # checked in __init__
+        if pooled:
+            model_drafter = ModelDrafter(self.layout(self.draft_model, group, capacity),
+                                         pool=RaggedLayout(self.draft_model, rows, capacity))
+        else:
+            # Adaptive speculation may never draft for a row: its prompt is prefilled when it first pays.
+            layout = self.layout(self.draft_model, rows, capacity)
+            lazy = spec.speculation == "adaptive" and isinstance(layout, RaggedLayout)
+            model_drafter = ModelDrafter(layout, lazy=lazy)
+        if spec.drafter == "hybrid":
+            return HybridDrafter(NgramLookup(spec.ngram_min, spec.ngram_max), model_drafter)
+        return model_drafter

@@ -224,6 +224,11 @@ class SpecConfig:
     def needs_draft_model(self) -> bool:
         return self.speculative and self.drafter != NGRAM
 
+    @property
+    def max_drafts(self) -> int:
+        """Drafts a round may verify per row: K, or 0 for plain decoding."""
+        return self.num_draft_tokens if self.speculative else 0
+
 
 def resolve_drafter(model: ModelConfig, spec: SpecConfig) -> SpecConfig:
     """`--draft ngram` (ModelConfig.draft) means drafting by prompt lookup: the spec's drafter follows."""

@@ -30,9 +30,8 @@ from tqdm import tqdm
 
 from .bundled import cache_dir
 from .kernels import linear_kernel, native_bfloat16, weights_summary
-from .kv import context_limit, is_stateful
-from .layouts.ragged import RaggedLayout
-from .layouts.stateful import StatefulLayout
+from .kv import context_limit
+from .methods import layout_for
 
 SMOOTHING = 0.1  # weight of each new round in the online rescaling (load, drafter steps, overhead)
 SHAPE_SMOOTHING = 0.01  # ... in a verify shape's own mean, once it has 100 rounds (before: their plain mean)
@@ -223,7 +222,7 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
     device = next(model.parameters()).device
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = [(7 * i + 3) % vocab for i in range(context)]
-    layout_class = StatefulLayout if is_stateful(model) else RaggedLayout  # the layout the engine runs it on
+    layout_class = layout_for(model)  # the layout the engine runs it on
     layouts = {}
     for r in rows:
         layouts[r] = layout_class(model, r, context + max(tokens))

@@ -12,12 +12,13 @@ import time
 from collections.abc import Iterable, Iterator, Sequence as Seq
 from dataclasses import asdict, dataclass, field
 
+from .build import build_engine
 from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig, resolve_drafter
 from .costs import Costs
-from .engine import Engine, EngineStats
-from .build import build_engine
+from .engine import Engine
 from .models import ModelPair, encode_prompt, eos_token_ids, load_pair
 from .sequence import Sequence
+from .stats import EngineStats
 
 
 @dataclass

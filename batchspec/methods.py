@@ -13,7 +13,11 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .errors import BatchspecError
+
 if TYPE_CHECKING:
+    import torch
+
     from .engine import Engine
     from .layouts import Layout
 
@@ -82,6 +86,26 @@ METHODS: dict[str, Method] = {
                deliberately_wrong=True, stateful_layout=f"{_BROKEN}:NaiveStateLayout", needs_state=True),
     )
 }
+
+
+def layout_for(model: torch.nn.Module, method: str = "ragged") -> type[Layout]:
+    """The layout class `method` keeps `model`'s rows in: its stateful layout for a model with
+    recurrent state, else its usual one. The engine, the cost model and the audit's calibration all
+    ask here, so a model is timed and checked on the layout it decodes on. A method without a
+    stateful layout is refused for such a model with one line."""
+    from .kv import is_stateful  # imports transformers: only once a model exists
+
+    m = METHODS[method]
+    if not is_stateful(model):
+        return m.layout_class()
+    if m.stateful_layout is None:
+        kind = model.config.get_text_config().model_type
+        able = ", ".join(name for name, x in METHODS.items() if x.stateful_layout and not x.deliberately_wrong)
+        raise BatchspecError(
+            f"method {method} cannot decode {kind} (recurrent state: pad tokens and realignment would enter it); "
+            f"use {able}"
+        )
+    return resolve(m.stateful_layout)
 
 
 def correct_methods() -> list[str]:

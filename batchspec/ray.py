@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
-from .engine import EngineStats
 from .llm import LLM, Prompt, RequestOutput
+from .stats import EngineStats
 
 try:
     import pyarrow as pa

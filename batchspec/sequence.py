@@ -76,6 +76,20 @@ class Sequence:
             self.finish_time = now
         return taken
 
+    def record_round(self, tokens: list[int], offered: int, chosen: int) -> tuple[int, int]:
+        """Append a round's tokens (its accepted drafts, then the target's own token), of `offered`
+        drafts proposed and `chosen` verified. Returns (tokens appended, drafts accepted): fewer than
+        given where a stop token or max_new_tokens ends the row inside the round."""
+        taken = self.extend(tokens)
+        accepted = min(len(tokens) - 1, taken)
+        self.rounds += 1
+        self.drafted += chosen
+        self.accepted += accepted
+        self.proposed_k.append(offered)
+        self.chosen_k.append(chosen)
+        self.accepted_k.append(accepted)
+        return taken, accepted
+
     def abort(self) -> None:
         """Finish here, keeping what was generated so far (a client went away, or asked to stop)."""
         if not self.finished:

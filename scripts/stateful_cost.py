@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, PreTrainedModel, Qwen3NextConfig
 
+from batchspec.build import build_engine
 from batchspec.config import SamplingParams, SpecConfig
-from batchspec.engine import Engine
 from batchspec.kv import is_stateful
 from batchspec.layouts import RaggedLayout
 from batchspec.layouts.stateful import ReplayStatefulLayout, StatefulLayout
@@ -98,7 +98,7 @@ def engine_run(model: PreTrainedModel, layout_class: type[StatefulLayout], promp
     def layouts(m: torch.nn.Module, rows: int, capacity: int) -> RaggedLayout | StatefulLayout:
         return (layout_class if is_stateful(m) else RaggedLayout)(m, rows, capacity)
 
-    engine = Engine(model, spec, layouts, drafter=ScriptedDrafter(truth, p, VOCAB, seed=1))
+    engine = build_engine(model, spec, drafter=ScriptedDrafter(truth, p, VOCAB, seed=1), layout=layouts)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
     assert all(o.generated == truth[tuple(pr)] for pr, o in zip(prompts, outputs)), "not exact"
     s = engine.stats

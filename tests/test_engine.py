@@ -179,8 +179,8 @@ def test_the_drafters_backlog_is_asked_only_by_a_policy_that_weighs_it(speculati
     engine = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2"), costs=ScriptedCosts())
     engine.reserve(rows=2, capacity=64)
     asked = []
-    backlog = engine.drafter.backlog
-    engine.drafter.backlog = lambda seqs: asked.append(len(seqs)) or backlog(seqs)
+    backlog = engine.rows.drafter.backlog
+    engine.rows.drafter.backlog = lambda seqs: asked.append(len(seqs)) or backlog(seqs)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
     assert [s.generated for s in outputs] == [oracle("qwen2", tuple(p), 6) for p in prompts]
     assert (len(asked) == engine.stats.rounds) if speculation == "adaptive" else asked == []
@@ -525,7 +525,7 @@ def test_rounds_without_drafts_then_speculative_rounds(method, scheduler):
     engine.reserve(rows=3, capacity=64)
     engine.speculation = ScheduledSpeculation([0, 0, 0, 3, 0, 4, 0, 0, 0, 0, 0, 0, 2], caps=[4, 1, 3])
     fed: list[int] = []
-    layout = engine.drafter.layout
+    layout = engine.rows.drafter.layout
     original = layout.forward
     layout.forward = lambda tokens, last_only=False: fed.append(tokens.shape[1]) or original(tokens, last_only)
     for p, b in zip(prompts, budgets):
@@ -565,7 +565,7 @@ def test_lazy_drafter_prefills_a_prompt_only_once_drafting_for_it_pays(arch, cat
     prefill, feed_row = RaggedLayout.prefill, RaggedLayout.feed_row
 
     def spied_prefill(self, prompts):
-        assert self is not engine.drafter.layout, "the drafter prefilled at admission"
+        assert self is not engine.rows.drafter.layout, "the drafter prefilled at admission"
         return prefill(self, prompts)
 
     def spied_feed_row(self, row, tokens):

@@ -73,7 +73,7 @@ def test_kv_buffer_is_sized_for_the_prompts_not_the_batch_size(llm):
         engine = build_engine(llm.models.target, SpecConfig(method=method, num_draft_tokens=2, batch_size=200_000),
                               llm.stop_ids, draft_model=llm.models.draft)
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=5))
-        layout = engine.home
+        layout = engine.rows.home
         assert layout.store.max_rows == 3 and layout.store.data.shape[2] == 3
         assert [s.generated for s in outputs] == [plain(llm, tuple(p), 5) for p in prompts]
 

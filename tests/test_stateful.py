@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM, DynamicCache, JambaConfig, MambaC
 
 from batchspec.cli import main
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
-from batchspec.engine import Engine
 from batchspec.forensics.audit import Auditor
 from batchspec.forensics.audit_inputs import AuditItem
 from batchspec.forensics.compare import SYNC_ERROR
@@ -132,7 +131,7 @@ def test_model_drafter_matches_oracle(arch, draft_kind, method, continuous, batc
     engine = build_engine(target(arch), spec, stop, draft_model=drafter(arch, draft_kind))
     outputs = engine.generate(prompts, params)
     assert_exact(arch, prompts, outputs, params, stop)
-    assert isinstance(engine.home, StatefulLayout)
+    assert isinstance(engine.rows.home, StatefulLayout)
     assert engine.stats.extra["state_time"] > 0
 
 
@@ -169,11 +168,10 @@ def test_both_state_strategies_are_exact(arch, layout):
     prompts = random_prompts(6, [1, 9, 5, 14, 2, 11], seed=11)
     params = [SamplingParams(max_new_tokens=n) for n in (16, 7, 16, 12, 3, 16)]
     spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=4, batch_size=4, check_invariants=True)
-    engine = Engine(target(arch), spec, stateful_layouts(layout),
-                            draft_model=drafter(arch, "stateful"), checker=check_views)
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch, "stateful"), layout=stateful_layouts(layout))
     outputs = engine.generate(prompts, params)
     assert_exact(arch, prompts, outputs, params)
-    assert type(engine.home) is layout
+    assert type(engine.rows.home) is layout
     assert 0 < engine.stats.accepted < engine.stats.drafted  # acceptance really was ragged
     assert (engine.stats.extra["state_replay_forwards"] > 0) == (layout is ReplayStatefulLayout)
 
@@ -275,7 +273,7 @@ def test_a_stateful_drafter_alone_also_routes_to_the_stateful_layout():
     engine = build_engine(llama, SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, check_invariants=True),
                           draft_model=target("mamba2"))
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=10))
-    assert type(engine.home) is RaggedLayout and isinstance(engine.drafter.layout, StatefulLayout)
+    assert type(engine.rows.home) is RaggedLayout and isinstance(engine.rows.drafter.layout, StatefulLayout)
     for p, seq in zip(prompts, outputs):
         assert seq.generated == greedy_decode(llama, p, 10)
     with pytest.raises(BatchspecError, match="method eqspec cannot decode mamba2"):
@@ -364,8 +362,8 @@ def test_adaptive_speculation_and_prompt_lookup_keep_states_exact(arch, drafter_
     params = SamplingParams(max_new_tokens=14)
     spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=3, speculation="adaptive", drafter=drafter_kind,
                       ngram_min=1, ngram_max=3, check_invariants=True)
-    engine = Engine(target(arch), spec, stateful_layouts(layout), draft_model=drafter(arch, draft_kind or "stateful"),
-                    costs=ScriptedCosts(1.0, 0.1, 0.2))
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch, draft_kind or "stateful"),
+                          costs=ScriptedCosts(1.0, 0.1, 0.2), layout=stateful_layouts(layout))
     outputs = engine.generate(prompts, params)
     assert_exact(arch, prompts, outputs, params)
     assert any(0 in s.chosen_k for s in outputs)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from ..config import BatchspecError, SamplingParams, SpecConfig, resolve_drafter
-from ..engine import EngineStats
 from ..llm import LLM, RequestOutput
 from ..models import weights_report
 from ..prompts import PromptRecord, load_prompts
 from ..reference import reference_decode
+from ..stats import EngineStats
 from .common import (
     add_decoding_arguments,
     add_model_arguments,

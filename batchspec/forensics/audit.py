@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..admission import validate_prompt
 from ..config import BatchspecError, SamplingParams
-from ..engine import validate_prompt
 from ..kv import context_limit, forward_all_positions
 from ..models import eos_token_ids, output_vocab_size
 from .audit_inputs import AuditItem

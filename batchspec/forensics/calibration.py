@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kv import forward_left_padded, forward_plain, is_stateful, new_dynamic_cache
-from ..layouts import Layout, PaddedLayout, RaggedLayout
+from ..layouts import Layout
 from ..layouts.base import left_padded
-from ..layouts.stateful import StatefulLayout
+from ..methods import layout_for
 
 # A flip between two computations needs gap < |noise(oracle token)| + |noise(audited token)|, at most
 # twice the largest noise measured; the second factor of 2 covers batch shapes calibration missed.
@@ -73,12 +73,12 @@ def calibrate_margin(model: torch.nn.Module, prefixes: list[list[int]]) -> Calib
     single = torch.stack([prefix_logits(model, p) for p in prefixes])
     noise: dict[str, float] = {}
     if is_stateful(model):  # left padding would enter the recurrent state: only our stateful layout runs it
-        layouts: dict[str, type[Layout]] = {"stateful": StatefulLayout}
+        layouts: dict[str, type[Layout]] = {"stateful": layout_for(model)}
     else:
         device = next(model.parameters()).device
         padded = forward_left_padded(model, *left_padded(prefixes, device))
         noise["hf-left-padded"] = float((padded - single).abs().max())
-        layouts = {"ragged": RaggedLayout, "padded": PaddedLayout}
+        layouts = {"ragged": layout_for(model, "ragged"), "padded": layout_for(model, "eqspec")}
     width = min(VERIFY_WIDTH, min(len(p) for p in prefixes) - 1)
     if width >= 1:
         for kind, layout_class in layouts.items():
