@@ -29,7 +29,7 @@ from batchspec.config import BatchspecError, SamplingParams, SpecConfig
 from batchspec.forensics.audit import Auditor
 from batchspec.forensics.audit_inputs import AuditItem
 from batchspec.forensics.compare import SYNC_ERROR
-from batchspec.forensics.invariants import InvariantError, check_views
+from batchspec.forensics.invariants import InvariantError
 from batchspec.kv import StateStore, check_supported, is_stateful
 from batchspec.layouts import RaggedLayout
 from batchspec.layouts.stateful import ReplayStatefulLayout, StatefulLayout
