@@ -289,6 +289,17 @@ def apply_quantization(model: torch.nn.Module, quantization: str, group_size: in
 def weights_summary(model: torch.nn.Module) -> str:
     """Which kernels the model's linear layers run and how many of each, e.g. "int4-g32 x196, int8 x1";
     float layers left by a quantization show as "packed-float32 x2" (or "torch-float32")."""
+    counts = _kernel_counts(model)
+    return ", ".join(f"{kernel} x{n}" for kernel, n in counts.most_common()) or "no linear layers"
+
+
+def main_kernel(model: torch.nn.Module) -> str:
+    """The kernel most of the model's linear layers run ("int4-g32", "packed-float32", ...)."""
+    counts = _kernel_counts(model)
+    return counts.most_common(1)[0][0] if counts else "no"
+
+
+def _kernel_counts(model: torch.nn.Module) -> Counter[str]:
     counts: Counter[str] = Counter()
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
@@ -297,7 +308,7 @@ def weights_summary(model: torch.nn.Module) -> str:
             counts[f"{PACKED}-{str(module.weight_dtype).removeprefix('torch.')}"] += 1
         elif isinstance(module, torch.nn.Linear):
             counts[f"{TORCH}-{str(module.weight.dtype).removeprefix('torch.')}"] += 1
-    return ", ".join(f"{kernel} x{n}" for kernel, n in counts.most_common()) or "no linear layers"
+    return counts
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

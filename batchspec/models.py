@@ -8,6 +8,7 @@ transformers traceback.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,7 @@ def load_model(
     else:
         apply_quantization(model, quantization, group_size)
     apply_linear_kernel(model, linear_kernel)
+    own_weights(model)
     use_exact_attention(model)
     if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not computes_bfloat16(torch_device):
         warnings.warn(
@@ -144,6 +146,47 @@ def load_model(
             "its products run on torch's generic path, whose cost grows with every row and token a forward feeds "
             "(batches, verifies, prefills); float32 is likely faster here", stacklevel=2)
     return model, tokenizer
+
+
+def own_weights(model: torch.nn.Module) -> int:
+    """Copy every tensor still backed by a checkpoint file's memory map into memory of its own, so the
+    map is released: its pages stay resident while any tensor views it, and quantizing reads the whole
+    float32 file, so the full file counted in RSS although the quantized layers kept none of it.
+    Returns the bytes copied (0 where /proc/self/maps does not exist)."""
+    ranges = _mapped_checkpoints()
+    copied = 0
+    tensors = [*model.parameters(), *model.buffers()]  # shared (tied) tensors once each
+    for tensor in tensors:
+        plain = tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_mkldnn
+        if plain and any(lo <= tensor.data_ptr() < hi for lo, hi in ranges):
+            tensor.data = tensor.data.clone()
+            copied += tensor.numel() * tensor.element_size()
+    _return_freed_memory()
+    return copied
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading and quantizing freed back to the OS (glibc keeps it otherwise, and
+    RSS with it); nothing where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _mapped_checkpoints() -> list[tuple[int, int]]:
+    """Address ranges [lo, hi) of this process's memory-mapped weight files (Linux; none elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].endswith((".safetensors", ".gguf", ".bin")):
+            lo, hi = fields[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
 
 
 @dataclass

@@ -30,7 +30,7 @@ from batchspec.gguf_int4 import (
     unpack_nibbles,
     use_gguf_int4,
 )
-from batchspec.kernels import quantization_kernel_reason, weights_summary
+from batchspec.kernels import main_kernel, quantization_kernel_reason, weights_summary
 from batchspec.models import load_model
 from batchspec.reference import greedy_decode
 
@@ -157,6 +157,7 @@ def test_prepare_keeps_the_q4k_blocks_and_int4_loads_them(tiny_q4k_bundle, tmp_p
     # a user model (the same GGUF passed as a file) is quantized from its float weights instead
     user, _ = load_model(str(tmp_path / "tiny.gguf"), quantization="int4")
     assert weights_summary(user) == "int4-g32 x14, int8 x1"
+    assert main_kernel(user) == "int4-g32"  # what the bench's title names
     prompt = [0, 5, 9, 17, 40]
     assert len(greedy_decode(loaded, prompt, 6)) == 6
 

@@ -563,3 +563,23 @@ def test_real_bundled_pair() -> None:
     with torch.no_grad():
         out = pair.target.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
     assert "def " in pair.tokenizer.decode(out[0, len(ids) :])  # greedy: "```python\ndef add_numbers(a"
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_loaded_weights_leave_no_checkpoint_mapped(tmp_path: Path, tokenizer: PreTrainedTokenizerFast,
+                                                   quantization: str) -> None:
+    """A loaded model holds its own copies of the weights it kept (embeddings, norms), so the
+    checkpoint's memory map is released and none of its pages count in RSS; the logits are unchanged."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps")
+    model = tiny_model("qwen2", seed=3)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, _ = load_model(str(tmp_path), linear_kernel="torch", quantization=quantization)
+    checkpoint = str(tmp_path / "model.safetensors")
+    assert checkpoint not in Path("/proc/self/maps").read_text()
+    if quantization == "none":
+        use_exact_attention(model)
+        ids = torch.tensor([[0, 5, 9, 17, 40]])
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)

@@ -31,7 +31,7 @@ from ..bench.specbench import SPECBENCH_FILE, BenchPrompt, encode_prompts, group
 from ..config import NGRAM, QUANTIZATIONS, BatchspecError, SamplingParams, SpecConfig
 from ..costs import measured_costs
 from ..forensics.oracle import Oracle
-from ..kernels import linear_kernel
+from ..kernels import linear_kernel, main_kernel
 from ..kv import context_limit
 from ..methods import METHODS
 from ..models import ModelPair, draft_dtype, eos_token_ids, weights_report
@@ -211,7 +211,7 @@ def _run_one(args: argparse.Namespace) -> int:
     machine = machine_info(args.dtype, draft_dtype(model_config(args)), args.device)
     title = (f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, K {args.num_draft_tokens}, "
              f"{args.dtype} target, {machine['draft_dtype']} drafter on {machine['device']}, "
-             f"{linear_kernel(models.target)} linears "
+             f"{main_kernel(models.target)} linears "
              f"({machine['cpu']}, {machine['torch_threads']} threads)")
     groups = ", ".join(f"{g} {n}" for g, n in (prompt_info["groups"] or {}).items())
     print(f"batchspec bench: {title}")
