@@ -9,7 +9,7 @@ every forward runs), `forward` (how the engine and plain decoding call a model),
 state of stateful targets) and `support` (what a model is and whether it is supported).
 """
 
-from .attention import EXACT_ATTENTION, attention_path, use_exact_attention
+from .attention import EXACT_ATTENTION, attention_path, causal_visible, use_exact_attention
 from .forward import (
     forward_all_positions,
     forward_left_padded,
@@ -32,7 +32,7 @@ from .support import (
 
 __all__ = [
     "EXACT_ATTENTION", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
-    "attention_path", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
+    "attention_path", "causal_visible", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
     "forward_left_padded", "forward_plain", "forward_slots", "is_stateful", "new_dynamic_cache", "num_layers",
     "prefix_kv", "prefix_state", "use_exact_attention",
 ]

@@ -23,6 +23,12 @@ _MIN_QUERY_ROWS = 8
 _KEY_BLOCK = 128
 
 
+def causal_visible(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Causal visibility over a row's slots [0, kv_len) when slot j holds the row's token j: query i
+    of row b sees slot j iff j <= positions[b, i]. The one causal rule of layouts and plain decoding."""
+    return torch.arange(kv_len, device=positions.device)[None, None, :] <= positions[:, :, None]  # [b, n, kv_len]
+
+
 class _KeyPlan:
     """What every layer of one forward shares: which slots each row's queries read, compacted (slot
     order[b, j] becomes key j of row b, the row's visible slots first in slot order, so key j is the
@@ -63,8 +69,8 @@ def _key_plan(attention_mask: torch.Tensor | None, b: int, m: int, slots: int, g
         key: object = (b, m, slots, groups, device)
         cached, plan = getattr(_memo, "causal", (None, None))
         if cached != key:
-            positions = torch.arange(slots, device=device)
-            plan = _KeyPlan((positions[None] <= positions[slots - m :, None])[None].expand(b, m, slots), groups)
+            queries = torch.arange(slots - m, slots, device=device)[None]  # [1, m] the last m tokens
+            plan = _KeyPlan(causal_visible(queries, slots).expand(b, m, slots), groups)
             _memo.causal = (key, plan)
         return plan
     cached, cached_groups, plan = getattr(_memo, "masked", (None, None, None))

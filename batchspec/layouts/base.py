@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv import SlotStore, context_limit, forward_slots, num_layers, use_exact_attention
+from ..kv import SlotStore, causal_visible, context_limit, forward_slots, num_layers, use_exact_attention
 
 FILLER_TOKEN = 0  # fed in pad positions; masked out, so its value never matters (no pad token needed)
 
@@ -77,12 +77,11 @@ class Layout(ABC):
         logits = []
         for start, run in equal_length_runs(prompts):
             size = len(run[0])
-            steps = torch.arange(size, device=self.device)
             ids = torch.tensor(run, dtype=torch.long, device=self.device)
-            visible = (steps[None, :] <= steps[:, None]).expand(len(run), size, size)
+            positions = torch.arange(size, device=self.device).expand(len(run), size)
             offset = 0 if align_to is None else align_to - size
             rows = slice(first_row + start, first_row + start + len(run))
-            out = self._run(rows, ids, steps.expand(len(run), size), visible, offset, 1, kv_start=offset)
+            out = self._run(rows, ids, positions, causal_visible(positions, size), offset, 1, kv_start=offset)
             logits.append(out[:, -1])
             self.prefill_fed += ids.numel()
         return torch.cat(logits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv import causal_visible
 from .base import Layout
 
 
@@ -38,7 +39,8 @@ class PaddedLayout(Layout):
         slots = torch.arange(kv_len, device=self.device)
         queries = torch.arange(self.width, kv_len, device=self.device)
         real = slots[None, :] >= self.pads[:, None]  # [b, kv_len]
-        visible = real[:, None, :] & (slots[None, None, :] <= queries[None, :, None])
+        # Causal by slot (every row's queries sit at slots [width, kv_len)), real keys only.
+        visible = real[:, None, :] & causal_visible(queries[None], kv_len)  # [b, n, kv_len]
         # A pad query sees only itself: never an all-masked row (NaN in sdpa), never a real key.
         visible = visible | (slots[None, None, :] == queries[None, :, None])
         positions = (queries[None, :] - self.pads[:, None]).clamp(min=0)

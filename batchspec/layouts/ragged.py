@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv import causal_visible
 from .base import Layout
 
 
@@ -36,8 +37,8 @@ class RaggedLayout(Layout):
         """One forward of `tokens` into buffer row `row` from slot `start`, no other row computing
         anything; the last position's logits [vocab]."""
         positions = (start + torch.arange(len(tokens), device=self.device))[None]
-        visible = torch.arange(start + len(tokens), device=self.device)[None, None, :] <= positions[:, :, None]
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        visible = causal_visible(positions, start + len(tokens))
         return self._run(slice(row, row + 1), ids, positions, visible, start, 1)[0, -1]
 
     def feed_row(self, row: int, tokens: list[int]) -> None:
@@ -77,7 +78,7 @@ class RaggedLayout(Layout):
         steps = torch.arange(n, device=self.device)
         positions = self.lengths[:, None] + steps
         kv_len = int(self.lengths.max()) + n
-        visible = torch.arange(kv_len, device=self.device)[None, None, :] <= positions[:, :, None]
+        visible = causal_visible(positions, kv_len)
         logits = self._run(slice(0, self.num_rows), tokens, positions, visible, self.lengths, 1 if last_only else 0)
         self.lengths = self.lengths + n
         return logits

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from ..kv import StatefulSlotStore, StateKey, forward_slots
+from ..kv import StatefulSlotStore, StateKey, causal_visible, forward_slots
 from .base import Layout
 
 
@@ -136,7 +136,7 @@ class StatefulLayout(Layout):
         n = tokens.shape[1]
         positions = start[:, None] + torch.arange(n, device=self.device)
         kv_len = int(start.max()) + n
-        visible = torch.arange(kv_len, device=self.device)[None, None, :] <= positions[:, :, None]
+        visible = causal_visible(positions, kv_len)
         if self.limit is not None:
             positions = positions.clamp(max=self.limit - 1)
         self.last_positions, self.last_visible = positions, visible
