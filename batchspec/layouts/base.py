@@ -23,6 +23,9 @@ class Layout(ABC):
       logits and tentatively extends `lengths` by n.
     - `commit(lengths)` keeps only the first `lengths[b]` tokens of each row (rejected drafts go).
     - `drop(keep)` removes rows; it returns the new row order (old indices) so callers can mirror it.
+    - chunked prefill, for layouts with per-row cursors only: `stage(chunk)` feeds the next chunk of
+      one prompt into a row outside every round, `unstage()` makes the complete prompt the last row,
+      `discard_staged()` forgets it (its request was aborted).
     The positions and visibility mask of the last forward are kept for the invariant checker; the
     positions are the layout's own, before the context clamp in `_run` (which only touches queries
     whose logits are discarded), so the checker sees every query's real position.
@@ -87,17 +90,18 @@ class Layout(ABC):
         return torch.cat(logits)
 
     def stage(self, tokens: list[int]) -> torch.Tensor:
-        """Chunked prefill: feed the next chunk of a prompt into a row outside every round; returns
-        the chunk's last-position logits [vocab]. Only layouts with per-row cursors can."""
-        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts only")
+        """Chunked prefill (see the contract): the chunk's last-position logits [vocab]."""
+        raise self._whole_prompts_only()
 
     def unstage(self) -> None:
-        """Chunked prefill: the staged prompt becomes the last row."""
-        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts only")
+        raise self._whole_prompts_only()
 
     def discard_staged(self) -> None:
-        """Chunked prefill: forget the staged prompt (its request was aborted)."""
-        raise NotImplementedError(f"{type(self).__name__} prefills whole prompts only")
+        raise self._whole_prompts_only()
+
+    def _whole_prompts_only(self) -> NotImplementedError:
+        """Why a layout without per-row cursors cannot stage: a row's place depends on the others'."""
+        return NotImplementedError(f"{type(self).__name__} prefills whole prompts only")
 
     @abstractmethod
     def forward(self, tokens: torch.Tensor, last_only: bool = False) -> torch.Tensor: ...

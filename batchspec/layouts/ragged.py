@@ -25,13 +25,16 @@ class RaggedLayout(Layout):
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Append rows, each prompt written from slot 0 at its own length."""
         logits = self._prefill_runs(prompts, self.num_rows)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
-        self.lengths = torch.cat([self.lengths, lengths])
+        self._append([len(p) for p in prompts])
         return logits
 
     def add_empty(self, count: int) -> None:
         """Append rows holding nothing yet (a drafter that prefills them only once it drafts for them)."""
-        self.lengths = torch.cat([self.lengths, torch.zeros(count, dtype=torch.long, device=self.device)])
+        self._append([0] * count)
+
+    def _append(self, lengths: list[int]) -> None:
+        """Rows num_rows, num_rows + 1, ... join the rounds holding `lengths` tokens from slot 0."""
+        self.lengths = torch.cat([self.lengths, torch.tensor(lengths, dtype=torch.long, device=self.device)])
 
     def _feed_one(self, row: int, start: int, tokens: list[int]) -> torch.Tensor:
         """One forward of `tokens` into buffer row `row` from slot `start`, no other row computing
@@ -50,18 +53,20 @@ class RaggedLayout(Layout):
         self.lengths[row] = start + len(tokens)
 
     def stage(self, tokens: list[int]) -> torch.Tensor:
-        """Feed the next chunk of a prompt into the staging row; its last position's logits [vocab]."""
+        """The chunk goes into the staging row, row num_rows, after the chunks before it."""
         logits = self._feed_one(self.num_rows, self.staged, tokens)
         self.staged += len(tokens)
         self.prefill_fed += len(tokens)
         return logits
 
     def unstage(self) -> None:
-        """The staged prompt becomes the last row (it already sits there)."""
-        self.lengths = torch.cat([self.lengths, torch.tensor([self.staged], dtype=torch.long, device=self.device)])
+        """The staging row already sits where the last row goes: only its cursor is new."""
+        self._append([self.staged])
         self.staged = 0
 
     def discard_staged(self) -> None:
+        """Only the counter goes: the staging row's slots lie past every cursor, so the next stage or
+        row overwrites them."""
         self.staged = 0
 
     def drop(self, keep: list[bool]) -> list[int]:
