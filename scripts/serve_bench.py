@@ -3,7 +3,7 @@
 by side, and every speculative answer compared with the plain server's.
 
     python scripts/serve_bench.py --concurrency 1,4,8 --num-prompts 8 --max-tokens 48 \\
-        --serve-args "--draft-dtype bfloat16" --json docs/results/serve_bench.json
+        --serve-args "--draft-dtype bfloat16" --json docs/results/serve_bench_<machine>_b1-8.json
 
 Servers run one at a time (never both on the machine at once), each started as `batchspec serve`
 in a subprocess and stopped before the next; the first request of each is a warm-up outside the

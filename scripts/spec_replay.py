@@ -6,7 +6,7 @@ every round is billed at the measured cost table.
         --batch-sizes 1,2,4,8 --data runs/replay.json
     # the same rounds billed at another machine's costs, as a bench run printed them (no models loaded)
     PYTHONPATH=. python scripts/spec_replay.py --batch-sizes 1,2,4,8 --data runs/replay.json \
-        --costs-from docs/results/bench_issue10_gqa_b2-8.json
+        --costs-from docs/results/bench_epyc-avx512_b2-8.json
 
 Why: a bench run of 12 SpecBench prompts takes minutes per method and moves by 5-15% between runs
 on this shared machine, so two policies that differ by a few percent cannot be told apart by it;
