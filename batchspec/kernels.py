@@ -1,13 +1,11 @@
 """Linear layers on CPU with weights packed once for oneDNN, instead of per call.
 
 Why: with torch's default CPU linear (MKL) one token per row is a matrix-vector product read at
-memory speed, but from two tokens on each call costs 2-3x as much (one 8960x1536 product: 3.8 ms for
-1 row, 8-13 ms for 2-8 rows on this project's reference CPU; as far as we can tell the weight is
-packed for a matrix-matrix product on every call). A Qwen2.5 1.5B forward there costs ~400 ms for
-one token and ~800-1,250 ms for 2-6 tokens: verifying drafts cost twice a plain step, which is what
-made speculation lose on CPUs. oneDNN with the weights reordered once at load costs about the same
-for 1 to 16 rows (2-3 ms for that product): ~270 ms for one token and ~240-300 ms for 2-6 on the
-same machine. Plain decoding gets faster too, and verifying K + 1 tokens costs about one plain step.
+memory speed, but from two tokens on each call costs 2-3x as much (as far as we can tell the weight
+is packed for a matrix-matrix product on every call), so verifying drafts cost about two plain steps
+and speculation lost on CPUs. oneDNN with the weights reordered once at load costs about the same
+for 1 to 16 rows: plain decoding gets faster too, and verifying K + 1 tokens costs about one plain
+step (the timings: docs/cli.md, `--linear-kernel`).
 
 Every torch-private call lives here (`torch.ops.mkldnn._reorder_linear_weight` and
 `_linear_pointwise`, the ops Inductor's CPU backend uses for frozen linears); `linear_kernel`
@@ -20,8 +18,8 @@ int4 in groups of 32 or 128) run torch's own CPU kernels (`aten._weight_int8pack
 `aten._weight_int4pack_mm_for_cpu`), with bfloat16 activations (their float32 path is scalar, 5-20x
 slower). Why these and no other path: a row's output must not depend on the other rows of its
 forward (docs/quantization.md has the measurements), and a forward of 1 to 64 rows takes the same
-kernel. Dequantizing a weight per call for the float32 kernel costs 47 ms for an 8960x1536 weight
-against 16 ms for the quantized product of 64 rows, so no shape is routed elsewhere.
+kernel. Dequantizing a weight per call for the float32 kernel costs more than the quantized product
+of 64 rows (docs/quantization.md), so no shape is routed elsewhere.
 """
 
 from __future__ import annotations
@@ -37,10 +35,8 @@ from .config import GROUP_SIZES, LINEAR_KERNELS, QUANTIZATIONS, BatchspecError
 
 PACKED, TORCH = "packed", "torch"
 # oneDNN's packed float32 product of one or two rows takes a slower path than that of three or
-# more: on the reference CPU (AVX-512) 2.1 ms for 1-2 rows of an 8960x1536 weight, 1.6 ms for 3-4,
-# 29 vs 22 ms for Qwen2.5's 151936x1536 output layer; a whole 1.5B step of one token ~250 ms
-# against ~185 ms for four rows. So fewer rows are padded with zeros to PADDED_ROWS: each row's
-# product does not depend on the others', and a plain decoding step at batch 1 takes ~30% less time.
+# more (timings: docs/cli.md, `--linear-kernel`), so fewer rows are padded with zeros to PADDED_ROWS:
+# each row's product does not depend on the others', and a plain decoding step at batch 1 is faster.
 # bfloat16 is left alone (its 1-row path is the fastest for most layers).
 FEW_ROWS = 3
 PADDED_ROWS = 4
@@ -143,8 +139,7 @@ class PackedLinear(_FrozenLinear):
 INT8, INT4, NONE = "int8", "int4", "none"
 # Torch's CPU kernels need these shapes (torch 2.13): int4 packs 16 output channels together and
 # refuses other N; int8 with K not a multiple of 16 returns wrong values or crashes the process
-# (measured: K = 8, 24, 33-56 wrong or SIGSEGV; 16, 32, 80, 896, 1536 right). A linear that does not
-# fit stays in float and the summary says so.
+# (the K tried: docs/quantization.md). A linear that does not fit stays in float and the summary says so.
 INT4_ROWS_MULTIPLE = 16
 INT8_COLUMNS_MULTIPLE = 16
 _QUANT_OPS = {INT8: ("_weight_int8pack_mm",),
@@ -323,8 +318,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def native_bfloat16() -> bool:
     """Whether oneDNN computes bfloat16 natively on this CPU (AVX-512 BF16 or AMX). Without it, bfloat16
     linears run on torch's generic path: a 1-row product reads half the bytes of float32 and is faster,
-    but the cost grows with every row (an 8960x1536 product on an AVX2-only EPYC: 2.9 ms for 1 row,
-    8.8 ms for 4, 32 ms for 16, against 5.7, 6.0 and 10.6 ms packed in float32)."""
+    but the cost grows with every row (timings: docs/cli.md, `--draft-dtype`)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

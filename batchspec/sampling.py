@@ -16,7 +16,7 @@ Each request decodes under one of three rules, fixed by its params:
 
 All sampling is Gumbel-max (argmax of scores plus Gumbel noise), with the noise either keyed or drawn
 from the engine's generator: exact up to the float32 resolution of the uniforms, a few O(vocab)
-passes per row. (`torch.multinomial` measured ~9 ms a row at vocab 151,936 on CPU; a float32
+passes per row. (`torch.multinomial` is slower per row at a 151,936-token vocabulary on CPU; a float32
 inverse CDF accumulates rounding bias over a 150k-term cumulative sum.)
 """
 
@@ -126,9 +126,8 @@ def gumbel(uniform: torch.Tensor) -> torch.Tensor:
 def keyed_gumbel(keys: Seq[tuple[int, int]], width: int) -> torch.Tensor:
     """Gumbel noise [len(keys), width] on the CPU, row i a function of keys[i] = (seed, position) only.
 
-    One CPU generator reseeded per key: the stream is the same on any device and in any batch. Costs
-    about 1 ms per key at width 151,936 (uniforms ~0.5 ms, the log-log ~0.4 ms, one thread); the
-    log-log runs once over all keys.
+    One CPU generator reseeded per key: the stream is the same on any device and in any batch. The
+    uniforms are drawn per key (the bulk of the cost), the log-log runs once over all keys.
     """
     generator = torch.Generator()
     uniform = torch.empty(len(keys), width)
@@ -149,7 +148,7 @@ class Randomness:
     The cache exists because coupled rows need the same (seed, position) noise several times: the
     drafter's step j and the target's slot j of a round share it, and positions past a rejection are
     needed again next round. Entries are immutable and keyed by (seed, position, width), so reuse can
-    never change a result, only save the ~1 ms per key.
+    never change a result, only save the noise's cost.
     """
 
     def __init__(self, seed: int | None, device: torch.device | str = "cpu", cache_entries: int = 64) -> None:
@@ -290,7 +289,7 @@ def _slot_noise(
 ) -> torch.Tensor:
     """Keyed noise for coupled rows' slots [len(rows), k+1, vocab]: slot j of a row is generated
     position len(generated) + j. Only slots a row can emit from (its drafts and the one after) get
-    noise (about 1 ms a key); padding slots get zeros, their picks are never used."""
+    noise (a vocabulary-wide draw per key); padding slots get zeros, their picks are never used."""
     lengths = draft.row_lengths().tolist()
     reach = [lengths[i] + 1 for i in rows]
     keys = [(seqs[i].params.seed, len(seqs[i].generated) + j) for i, n in zip(rows, reach) for j in range(n)]

@@ -14,15 +14,13 @@ from ..sequence import Sequence
 from .estimates import SAMPLED, AcceptanceModel
 from .plan import RoundPlan, Speculation
 
-# Catch-ups must be expected to save this many times their cost (see `leave_out`). In a replay of 36
-# SpecBench prompts (`scripts/spec_replay.py`), 1.5 declined the drafter's prefill of ~1,000-token
-# summarization and RAG prompts at batch 1 where it pays (1.13x and 1.00x of plain decoding against
-# 1.46x and 1.12x); 1.0 and 1.25 tied at batches 1, 4 and 8, 1.25 was 1% faster at batch 2.
+# Catch-ups must be expected to save this many times their cost (see `leave_out`): a margin for the
+# estimate's errors, small enough to let through the drafter's prefill of long prompts where it pays
+# (the replay that chose it: docs/results/history.md, "Constants in the code").
 CATCH_UP_PAYBACK = 1.25
 PROBE_SHARE = 0.03  # of the time spent in plain steps, at most this goes to probing whether drafting pays again
 # A round drafts only if it promises this much more than a plain step: its costs and acceptance are
-# estimates (two runs of the same plain steps here took 19.1 and 21.3 s), and drafting for a 1% gain
-# loses whenever they err.
+# noisy estimates, and drafting for a 1% gain loses whenever they err.
 OPEN_MARGIN = 0.05
 
 
@@ -148,14 +146,11 @@ class AdaptiveSpeculation(Speculation):
         saves most beyond CATCH_UP_PAYBACK times that cost is taken (none if none does). The estimate
         assumes rows run to max_new_tokens, hence the margin. Acceptance is weighed optimistically
         here (`AcceptanceModel.optimistic`): a catch-up also buys what the rounds it opens teach.
-        The baseline R_0 is what `open` will then do, not that optimism: weighed against seven rows
-        drafting at the bound, a batch of 8 on the AMX Xeon left a new prompt out, `open` found the
-        seven alone not worth drafting for, and the batch ran plain steps on. Weighed row by row
-        instead (each row's own saving against its own catch-up), one
-        summarization prompt at batch 4 was left out, the other three rows could not pay for the
-        padded verify without it, and the batch ran plain steps to the end: a replay of 12 SpecBench
-        prompts on the AMX Xeon's costs (`scripts/spec_replay.py`) drafted in 2% of row-rounds at
-        1.01x of plain decoding, where fixed K = 2 ran at 1.10x."""
+        The baseline R_0 is what `open` will then do, not that optimism: weighed against the other
+        rows drafting at the bound, a new prompt can be left out and `open` then find the rest not
+        worth drafting for. And the choice is of a set, not row by row (each row's own saving against
+        its own catch-up): leaving out one row can leave the others unable to pay for the padded
+        verify, and the batch runs plain steps to the end (both seen in replays: docs/results/history.md)."""
         lagging = steer.backlog > SHARED_CATCH_UP
         top = int(steer.caps.max())
         if not bool(lagging.any()) or top == 0:

@@ -13,8 +13,7 @@ BINS = 10  # confidence bins; one more for drafts without a confidence (n-gram p
 NO_CONFIDENCE = BINS
 SAMPLED, FORCED = 0, 1  # a draft drawn from the drafter's distribution, or proposed deterministically
 # Pseudo-observations behind every prior, so a few outcomes move an estimate but a few rejections do not
-# turn a row off. In the replay (`leave_out`), 8 beat 4 at batch 2 (1.23x vs 1.20x plain decoding) and
-# tied elsewhere; 2 turned translation off at batch 1 (0.97x vs 1.49x).
+# turn a row off (the replay that chose 8: docs/results/history.md, "Constants in the code").
 PRIOR_WEIGHT = 8.0
 ROW_PRIOR = 1.0  # ... behind a row's correction factor (1 when nothing is known): rows differ a lot
 POSITION_PRIOR = 0.6  # acceptance expected of a draft before anything is known
@@ -62,8 +61,7 @@ class AcceptanceModel:
         position's prior is the rate of the position before it (the first's, POSITION_PRIOR): a
         position is judged only in rounds that drafted that far, so with a fixed prior a position
         never drafted stays at the prior, and a prior below what the drafter achieves would never be
-        tested (replayed on SpecBench rounds, no row ever verified a 4th or 5th draft, even on
-        math prompts accepted ~85% per draft: `docs/results/spec_replay_position_prior.txt`)."""
+        tested (as a replay showed: docs/results/history.md, "Constants in the code")."""
         trials = self.position_trials + PRIOR_WEIGHT
         rates = torch.empty_like(trials)
         prior = POSITION_PRIOR
