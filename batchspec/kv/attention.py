@@ -24,8 +24,9 @@ _KEY_BLOCK = 128
 
 
 def causal_visible(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Causal visibility over a row's slots [0, kv_len) when slot j holds the row's token j: query i
-    of row b sees slot j iff j <= positions[b, i]. The one causal rule of layouts and plain decoding."""
+    """Query i of row b sees slot j iff j <= positions[b, i]: causal attention over a row's slots
+    [0, kv_len) when slot j holds its token j (ragged and stateful rows, plain decoding). The padded
+    rectangle passes its queries' slots instead and masks its pads itself."""
     return torch.arange(kv_len, device=positions.device)[None, None, :] <= positions[:, :, None]  # [b, n, kv_len]
 
 
