@@ -369,3 +369,49 @@ def test_cost_report_names_times_and_break_even_rates():
     assert "measured here" in text and "390.0" in text and "160.0" in text
     assert "128 tok/row" in text and "500.0" in text  # what catching a row up (a deferred prefill) costs
     assert "Break-even acceptance" in text and "K=5" in text
+
+
+# ---- kept out of the decoding figures ------------------------------------------------------------------
+def test_calibration_seconds_are_reported_apart_and_counted_in_no_tokens_per_second(tiny_pair_dirs, monkeypatch):
+    """A first calibration once counted in the run's wall time: its seconds are `calibration_s`, in
+    no phase, and neither the end-to-end tokens/s nor a request's latency includes them."""
+    import time
+
+    from batchspec import build as build_module
+    from batchspec.config import ModelConfig, SamplingParams, SpecConfig
+    from batchspec.llm import LLM
+
+    pause = 0.5
+
+    def slow_calibration(target, draft, rows, max_drafts):
+        time.sleep(pause)
+        return ScriptedCosts()
+
+    monkeypatch.setattr(build_module, "measured_costs", slow_calibration)
+    target, draft = tiny_pair_dirs
+    llm = LLM(ModelConfig(str(target), str(draft)),
+              spec=SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2, speculation="adaptive"))
+    start = time.perf_counter()
+    (out,) = llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))
+    wall = time.perf_counter() - start
+    stats = llm.stats
+    assert pause <= stats.calibration_s < wall
+    assert out.latency <= wall - stats.calibration_s  # timed from the end of the calibration
+    assert stats.total_time <= wall - stats.calibration_s
+    first = stats.calibration_s
+    llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # the LLM keeps its costs: measured once
+    assert llm.stats.calibration_s == first
+
+
+def test_calibration_seconds_merge_and_leave_the_summary_throughput():
+    from batchspec.commands.generate import summarize
+    from batchspec.llm import RequestOutput
+    from batchspec.stats import EngineStats
+
+    total = EngineStats(calibration_s=2.0, verify_time=1.0)
+    total.merge(EngineStats(calibration_s=3.0, verify_time=1.0))  # e.g. two Ray workers
+    assert total.calibration_s == 5.0 and total.total_time == 2.0
+    out = RequestOutput(0, "p", [1], token_ids=list(range(12)), rounds=4)
+    summary = summarize([out], wall=10.0, calibration=4.0)
+    assert summary["calibration_seconds"] == 4.0 and summary["tokens_per_second"] == 2.0
+    assert summarize([out], wall=4.0, calibration=4.0)["tokens_per_second"] is None
