@@ -117,7 +117,7 @@ def cpu_model() -> str:
 def cpu_description() -> str:
     """The CPU's name with the vector instructions torch uses on it. The name alone does not tell
     machines apart whose costs differ several-fold: this project's "AMD EPYC" has been a CPU with
-    AVX-512 and native bfloat16 (a Qwen2.5 1.5B step ~120 ms) and one with AVX2 only (~600 ms)."""
+    AVX-512 and native bfloat16 and one with AVX2 only, a Qwen2.5 1.5B step ~5x slower."""
     bf16 = ", native bfloat16" if native_bfloat16() else ""
     return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()}{bf16})"
 
@@ -162,9 +162,8 @@ class MeasuredCosts:
     one-draft shape even when it never chooses it). A shape's mean is the time of its rounds at the
     load then: `verify_scale` follows the load, from how much slower or faster than its own mean
     each round of a known shape ran, and carries every shape's mean along, those that have not run
-    lately included. (An earlier version kept plain means: at batch 4 a plain step measured while
-    the machine was busy stayed rated 20% dearer than it had become while the verify shapes that
-    ran were rated at their new cost, and rounds drafted at a loss.) A shape's mean moves slowly
+    lately included (with plain means, a shape measured while the machine was busy stays rated at
+    that load while the shapes that run are rated at today's, and rounds draft at a loss). A shape's mean moves slowly
     once known (SHAPE_SMOOTHING), so a change of load moves the scale rather than the one shape
     that happens to run. Drafter steps (a round's drafting time mixes catch-up and steps of two
     sizes) follow their table scaled by the running ratio of measured to predicted time.
