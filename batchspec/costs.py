@@ -387,9 +387,16 @@ def _cached_table(path: Path) -> tuple[TimingTable | None, str | None]:
         return None, None  # missing or unreadable: measure again
 
 
+_FOUND_OFF: set[tuple[Path, ...]] = set()  # tables already found off in this process
+
+
 def mark_stale(files: tuple[Path, ...], why: str) -> None:
-    """Flag cache files so that the next `calibrated` measures anew, and say so once. A file that
-    cannot be rewritten is removed; one that can be neither is left to the start-up check."""
+    """Flag cache files so that the next `calibrated` measures anew, and say so, once per process
+    (every engine of a bench reads the same table). A file that cannot be rewritten is removed; one
+    that can be neither is left to the start-up check."""
+    if files in _FOUND_OFF:
+        return
+    _FOUND_OFF.add(files)
     marked = 0
     for path in files:
         try:

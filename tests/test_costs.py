@@ -246,6 +246,10 @@ def test_rounds_far_from_the_table_mark_its_cache_stale(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert costs.drifted and err.count("\n") == 1 and "cost table is off (verify forwards ran 0.70x its prediction over 20 rounds)" in err
     assert all(json.loads(f.read_text())["stale"] for f in costs.files)
+    repeat = MeasuredCosts(costs.verify, costs.draft, files=costs.files)  # another engine, same table
+    for _ in range(costs_module.DRIFT_ROUNDS):
+        repeat.observe(2, 0, 0, draft_s=0.0, verify_s=0.2 * costs.verify(2, 1), other_s=0.0)
+    assert repeat.drifted and capsys.readouterr().err == ""  # said once per process
     monkeypatch.setattr(costs_module, "_MEMO", {})  # the next start
     calls.clear()
     again = measured_costs(target, draft, 2, 3, measure_fn=linear_fake(calls))
