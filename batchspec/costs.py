@@ -452,10 +452,12 @@ def _calibrate(wanted: list[_Calibration], fresh: bool, measure_fn: Callable[...
     if not missing:
         return wanted
     started = time.perf_counter()
-    plans = ", ".join(f"{c.role} {type(c.model).__name__}: {len(shapes(grid(c.rows), c.tokens, c.all_logits))} shapes "
-                      f"up to {c.rows} rows x {max(c.tokens)} tokens" for c in missing)
-    say(f"timing forwards once for this machine ({plans}; each timed until two timings agree, at most "
-        f"{TRIES}: ~10-30 s on a CPU; left out of decoding figures)")
+    counts = [len(shapes(grid(c.rows), c.tokens, c.all_logits)) for c in missing]
+    plans = ", ".join(f"{c.role} {type(c.model).__name__}: {n} shapes up to {c.rows} rows x {max(c.tokens)} tokens"
+                      for c, n in zip(missing, counts))
+    say(f"timing forwards once for this machine ({plans}; each until two timings agree, at most "
+        f"{TRIES * sum(counts)} forwards: ~10-30 s for the bundled pair on a 2-core CPU, less on a GPU; "
+        "left out of the decoding figures)")
     for c in missing:
         c.table = measure_fn(c.model, grid(c.rows), c.tokens, c.all_logits)
         c.where = _keep(c)

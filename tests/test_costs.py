@@ -218,6 +218,7 @@ def test_calibration_says_what_it_times_and_how_long_it_took(tmp_path, monkeypat
     assert len(lines) == 2
     assert lines[0].startswith("batchspec: timing forwards once") and "target Qwen2ForCausalLM: 9 shapes" in lines[0]
     assert "drafter LlamaForCausalLM: 10 shapes up to 4 rows x 128 tokens" in lines[0]
+    assert f"at most {19 * costs_module.TRIES} forwards" in lines[0]  # the bound, stated
     assert lines[1].startswith("batchspec: cost calibration took ") and f"cached in {tmp_path}" in lines[1]
     monkeypatch.setattr(costs_module, "_MEMO", {})
     costs = measured_costs(target, draft, 4, 5, measure_fn=linear_fake())
