@@ -239,6 +239,7 @@ def test_rounds_far_from_the_table_mark_its_cache_stale(tmp_path, monkeypatch, c
     for _ in range(3 * costs_module.DRIFT_ROUNDS):  # 20% slower: load, not a wrong table
         costs.observe(2, 1, 1, draft_s=0.1, verify_s=1.2 * costs.verify(2, 2), other_s=0.0)
     assert not costs.drifted and capsys.readouterr().err == ""
+    assert not any("stale" in json.loads(f.read_text()) for f in costs.files)
     for _ in range(costs_module.DRIFT_ROUNDS // 2 - 1):  # 5x faster: the table was measured on a busy machine
         costs.observe(2, 0, 0, draft_s=0.0, verify_s=0.2 * costs.verify(2, 1), other_s=0.0)
     assert not costs.drifted  # ... or a burst of odd rounds: the median of the last ones is still within DRIFT
