@@ -365,8 +365,11 @@ def costs_dir() -> Path:
 
 
 def say(message: str) -> None:
-    """One line on stderr, terminal or not (a log file, a notebook, a service's journal)."""
-    print(f"batchspec: {message}", file=sys.stderr, flush=True)
+    """One line on stderr, terminal or not (a log file, a notebook, a service's journal); a process
+    without a usable stderr decodes on without it."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):  # a closed stream or a broken pipe
+            print(f"batchspec: {message}", file=sys.stderr, flush=True)
 
 
 _MEMO: dict[str, TimingTable] = {}
