@@ -383,7 +383,8 @@ def _cached_table(path: Path) -> tuple[TimingTable | None, str | None]:
             return None, str(data["stale"])
         table = TimingTable(**data["table"])
         sizes = [len(line) for line in table.seconds]
-        if sizes != [len(table.tokens)] * len(table.rows) or not all(t >= 0 for line in table.seconds for t in line):
+        if not (table.rows and table.tokens and sizes == [len(table.tokens)] * len(table.rows)
+                and all(t >= 0 for line in table.seconds for t in line)):
             return None, None
         return table, None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -266,7 +266,8 @@ def test_a_stale_flag_or_a_cache_that_cannot_be_written_breaks_nothing(tmp_path,
     model = tiny_model("qwen2", vocab_size=50)
     table, where = calibrated(model, 2, [1, 2], True, measure_fn=linear_fake())
     (path,) = folder.glob("*.json")
-    for text in ("[1, 2]", '{"table": {"rows": [1], "tokens": [1, 2], "seconds": [[0.1]]}}', "{"):
+    empty = '{"table": {"rows": [], "tokens": [], "seconds": []}}'
+    for text in ("[1, 2]", '{"table": {"rows": [1], "tokens": [1, 2], "seconds": [[0.1]]}}', empty, "{"):
         path.write_text(text)  # not a table this version wrote: measured anew, never a crash
         monkeypatch.setattr(costs_module, "_MEMO", {})
         assert calibrated(model, 2, [1, 2], True, measure_fn=linear_fake())[1].startswith("measured, cached")
