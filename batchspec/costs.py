@@ -365,11 +365,12 @@ def costs_dir() -> Path:
 
 
 def say(message: str) -> None:
-    """One line on stderr, terminal or not (a log file, a notebook, a service's journal); a process
-    without a usable stderr decodes on without it."""
+    """One line on stderr, terminal or not (a log file, a notebook, a service's journal), above any
+    progress bar drawn there; a process without a usable stderr decodes on without it."""
     if sys.stderr is not None:
         with contextlib.suppress(OSError, ValueError):  # a closed stream or a broken pipe
-            print(f"batchspec: {message}", file=sys.stderr, flush=True)
+            tqdm.write(f"batchspec: {message}", file=sys.stderr)
+            sys.stderr.flush()
 
 
 _MEMO: dict[str, TimingTable] = {}
