@@ -9,6 +9,7 @@ configuration checks read without importing any of what an engine is made of."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -94,6 +95,7 @@ class Parts:
         self.draft_model = draft_model if uses_model else None
         self.custom_drafter = drafter if spec.speculative else None
         self.costs = costs
+        self.calibration_s = 0.0  # seconds the last `reserve` spent measuring costs
         models = [m for m in (target, self.draft_model) if m is not None]
         self.device = next(target.parameters()).device
         self.limit = min((x for x in map(context_limit, models) if x is not None), default=None)
@@ -107,7 +109,8 @@ class Parts:
     def reserve(self, rows: int | None, capacity: int, scheduler: Scheduler) -> tuple[Rows, Speculation]:
         """Every layout allocated once, `capacity` K/V slots per row, for `rows` sequences in flight
         (None: as many as the policy uses: batch size, or EXSPEC's window), fewer if `max_kv_slots`
-        cannot hold them; and the speculation policy, on costs measured now if it needs them."""
+        cannot hold them; and the speculation policy, on costs measured now if it needs them (the
+        seconds that took in `calibration_s`)."""
         spec, budget = self.spec, self.spec.max_kv_slots
         most = scheduler.window_size if scheduler.pooled else spec.batch_size
         rows = most if rows is None else rows
@@ -124,8 +127,11 @@ class Parts:
         else:
             kept = Rows(self.layout(self.target, rows, capacity), drafter)
         adaptive = spec.speculative and spec.speculation == "adaptive"
+        self.calibration_s = 0.0
         if adaptive and self.costs is None:
+            start = time.perf_counter()
             self.costs = measured_costs(self.target, self.draft_model, group, spec.max_drafts)
+            self.calibration_s = time.perf_counter() - start
         return kept, make_speculation(spec.speculation if spec.speculative else "fixed", spec.max_drafts, self.costs)
 
     def _drafter(self, rows: int, group: int, capacity: int, pooled: bool) -> Drafter:

@@ -3,25 +3,30 @@ one drafter forward by rows and tokens per row (a drafting step feeds 1 or 2; ca
 a deferred prefill of its prompt, feeds many), on this machine, these models, this dtype and device.
 
 Adaptive speculation (`batchspec.speculation`) chooses how many drafts to verify by comparing the
-tokens they are expected to add with the time they add, so the times must be this machine's: on a
-2-core CPU a 6-token verify of a 1.5B model costs ~2.3x a 1-token one with torch's default linears
-and ~1.15x with packed ones (`batchspec.kernels`), on a GPU about the same as one. A short
-calibration runs the first time a model is used (a few forwards per shape, prefill excluded) and
-is cached per model fingerprint and device in the user cache dir; during decoding the
-engine's own phase timings rescale it (an exponential moving average of measured / predicted), so
-load on the machine and growing contexts are followed. Tests inject a scripted model (`Costs`).
+tokens they are expected to add with the time they add, so the times must be this machine's: how a
+verify of several tokens compares with a plain step differs several-fold between kernels and
+devices (docs/quantization.md). A short calibration runs the first time a model is used and says
+so on stderr (what it times, how long it took, where it is cached); it is cached per model
+fingerprint and device in the user cache dir only if it checks out (each shape's repeats agree, the
+table grows with the work where physics says it must), since a table measured on a busy machine
+would steer every later run. During decoding the engine's own phase timings rescale it (an
+exponential moving average of measured / predicted), so load and growing contexts are followed, and
+rounds that keep running far from the table mark its cache file stale for the next start. Tests
+inject a scripted model (`Costs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import math
 import platform
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -29,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from .bundled import cache_dir
+from .draft import SHARED_CATCH_UP
 from .kernels import linear_kernel, native_bfloat16, weights_summary
 from .kv import context_limit
 from .methods import layout_for
@@ -36,23 +42,42 @@ from .methods import layout_for
 SMOOTHING = 0.1  # weight of each new round in the online rescaling (load, drafter steps, overhead)
 SHAPE_SMOOTHING = 0.01  # ... in a verify shape's own mean, once it has 100 rounds (before: their plain mean)
 SCALE_BOUNDS = (0.2, 5.0)  # a single odd round (a GC pause, a page fault) may not move the model further
-CONTEXT = 32  # committed tokens per row while measuring: decode-like, and cheap to prefill
-REPEATS = 4  # timed repeats per shape after one warm-up; the fastest counts (noise only adds time)
-MAX_GRID = 4  # measured points per axis; the rest is interpolated
-# Drafter forwards timed: its steps (1 and 2 tokens) and catch-ups (a deferred prefill of a row's
-# prompt, a shared forward after rounds without drafts), extrapolated linearly beyond the last. (A
-# 512-token shape was tried: the bundled drafter's 512-token catch-up measured 698 ms against 662 ms
-# extrapolated, a 5% correction that cost a minute more of calibration at batch 8.)
-DRAFT_TOKENS = [1, 2, 16, 128]
+CONTEXT = 8  # committed tokens per row while measuring: decode-like; prefilling more only costs time
+# Each shape is timed until its two fastest timings agree within AGREEMENT (its fastest counts: noise
+# only adds time), at most TRIES times, after one warm-up forward per layout.
+AGREEMENT = 0.10
+TRIES = 3
+MAX_GRID = 3  # measured points per axis (rows; verify tokens); the rest is interpolated
+# Drafter forwards timed: its steps (1 and 2 tokens), a catch-up shared by all rows (at most
+# SHARED_CATCH_UP tokens) and a row's own catch-up (a deferred prefill of its prompt), extrapolated
+# linearly beyond the last. A catch-up longer than SHARED_CATCH_UP runs one row at a time
+# (`drafters.model`), so it is timed on one row only.
+DRAFT_TOKENS = [1, 2, SHARED_CATCH_UP, 128]
+# The calibration's budget: a table has at most MAX_GRID x MAX_GRID shapes (the drafter's one more,
+# its long catch-up on one row), each timed 2 to TRIES times, so a model pair costs at most
+# 2 x (MAX_GRID**2 + 1) x TRIES = 60 timed forwards (~40 on a quiet machine, where most shapes agree
+# at the second timing) plus a CONTEXT-token prefill and a warm-up forward per row count. For the
+# bundled pair at batch 4, K 5 on a 2-core CPU (a 1.5B forward 0.1-0.6 s, a 0.5B one 0.05-0.2 s, its
+# 128-token catch-up 0.3-0.7 s) that is ~10-20 s, at most ~30 s on a machine too busy to agree.
+# A measured table is cached only if it is monotone where physics says it must be: among forwards of
+# at least MONOTONE_FROM row-tokens, one with more rows or more tokens per row (the other count
+# equal) may not be more than MONOTONE_SLACK cheaper (two timings, each trusted to AGREEMENT). Below
+# that size CPU kernels take other paths (oneDNN's float32 product of 1-2 rows was slower than of 4,
+# `kernels.PADDED_ROWS`; bfloat16's 1-row path is its fastest), so smaller shapes are recorded as
+# timed and not checked.
+MONOTONE_FROM = 4
+MONOTONE_SLACK = 0.2
 # A cached table whose smallest shape takes this many times what it takes now was measured on a
 # busy machine (a contended 2-core CPU can be several times slower): measured anew, not trusted.
 STALE_FACTOR = 1.3
+# Rounds whose verify forwards ran more than DRIFT away from the table's prediction (the median
+# ratio over the last DRIFT_ROUNDS rounds) mark the table's cache file stale: the next start re-times
+# it. This process goes on with its online rescaling; re-timing now would take the cores from the run.
+DRIFT = 0.25
+DRIFT_ROUNDS = 20
 # How tables are measured: part of the cache key, so a change to `measure` retires tables measured
-# the old way (version 2: shapes recorded as measured, not made monotone; four timed repeats;
-# version 4: multi-token forwards read grouped K/V heads in place; version 5: every forward runs the
-# batch-invariant `kv.use_exact_attention`; version 3 named a trial of a 512-token drafter shape,
-# whose tables may still sit in a cache).
-CALIBRATION_VERSION = 5
+# the old way (docs/methods.md keeps the history).
+CALIBRATION_VERSION = 6
 
 
 class Costs(Protocol):
@@ -92,7 +117,7 @@ def cpu_model() -> str:
 def cpu_description() -> str:
     """The CPU's name with the vector instructions torch uses on it. The name alone does not tell
     machines apart whose costs differ several-fold: this project's "AMD EPYC" has been a CPU with
-    AVX-512 and native bfloat16 (a Qwen2.5 1.5B step ~120 ms) and one with AVX2 only (~600 ms)."""
+    AVX-512 and native bfloat16 and one with AVX2 only, a Qwen2.5 1.5B step ~5x slower."""
     bf16 = ", native bfloat16" if native_bfloat16() else ""
     return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()}{bf16})"
 
@@ -115,6 +140,9 @@ class TimingTable:
     rows: list[int]
     tokens: list[int]
     seconds: list[list[float]]
+    # why the table may not be this machine's when quiet (shapes whose timings never agreed); a
+    # table with doubts is used by the process that measured it, never cached
+    doubts: list[str] = field(default_factory=list)
 
     def __call__(self, rows: int, tokens: int) -> float:
         by_rows = [_interp(self.tokens, line, tokens) for line in self.seconds]
@@ -134,18 +162,24 @@ class MeasuredCosts:
     one-draft shape even when it never chooses it). A shape's mean is the time of its rounds at the
     load then: `verify_scale` follows the load, from how much slower or faster than its own mean
     each round of a known shape ran, and carries every shape's mean along, those that have not run
-    lately included. (An earlier version kept plain means: at batch 4 a plain step measured while
-    the machine was busy stayed rated 20% dearer than it had become while the verify shapes that
-    ran were rated at their new cost, and rounds drafted at a loss.) A shape's mean moves slowly
+    lately included (with plain means, a shape measured while the machine was busy stays rated at
+    that load while the shapes that run are rated at today's, and rounds draft at a loss). A shape's mean moves slowly
     once known (SHAPE_SMOOTHING), so a change of load moves the scale rather than the one shape
     that happens to run. Drafter steps (a round's drafting time mixes catch-up and steps of two
     sizes) follow their table scaled by the running ratio of measured to predicted time.
+
+    The table itself is checked against the rounds too: when verify forwards keep running more than
+    DRIFT away from what it predicts, its cache `files` are marked stale, once, for the next start.
     """
 
-    def __init__(self, verify: TimingTable, draft: TimingTable | None, source: str = "") -> None:
+    def __init__(self, verify: TimingTable, draft: TimingTable | None, source: str = "",
+                 files: tuple[Path, ...] = ()) -> None:
         self.verify = verify
         self.draft = draft
         self.source = source  # where the tables came from, for reports
+        self.files = files  # the cache files the tables were read from or written to
+        self.drifted = False  # the table was found off and its files marked stale
+        self._ratios: deque[float] = deque(maxlen=DRIFT_ROUNDS)  # measured / table, last rounds
         self.verify_scale = 1.0
         self.draft_scale = 1.0
         # (rows, tokens) -> (mean seconds, rounds, verify_scale when the mean was last updated)
@@ -166,6 +200,7 @@ class MeasuredCosts:
 
     def observe(self, rows: int, width: int, steps: int, draft_s: float, verify_s: float, other_s: float) -> None:
         shape = (rows, width + 1)
+        self._check_table(shape, verify_s)
         mean, count, scale_then = self.seen.get(shape, (0.0, 0, 1.0))
         expected = self.verify_time(*shape)
         if expected > 0 and verify_s > 0:  # a round of a shape known well tells the load
@@ -178,6 +213,19 @@ class MeasuredCosts:
             predicted = self.draft(rows, 2) + (steps - 1) * self.draft(rows, 1)
             self.draft_scale = _rescaled(self.draft_scale, draft_s, predicted)
         self._overhead = other_s if self._overhead is None else (1 - SMOOTHING) * self._overhead + SMOOTHING * other_s
+
+    def _check_table(self, shape: tuple[int, int], verify_s: float) -> None:
+        """Compare a round's verify time with the table's own prediction (not the rescaled one, which
+        follows the rounds): the median over DRIFT_ROUNDS rounds, so that a GC pause or a burst of
+        load does not retire a good table."""
+        predicted = self.verify(*shape)
+        if self.drifted or predicted <= 0 or verify_s <= 0:
+            return
+        self._ratios.append(verify_s / predicted)
+        ratio = statistics.median(self._ratios)
+        if len(self._ratios) == DRIFT_ROUNDS and abs(ratio - 1) > DRIFT:
+            self.drifted = True
+            mark_stale(self.files, f"verify forwards ran {ratio:.2f}x its prediction over {DRIFT_ROUNDS} rounds")
 
 
 def _trust(rounds: int) -> float:
@@ -194,29 +242,40 @@ def _rescaled(scale: float, measured: float, predicted: float) -> float:
 
 # ---- calibration ------------------------------------------------------------------------------------
 def grid(top: int, base: tuple[int, ...] = ()) -> list[int]:
-    """At most MAX_GRID points from 1 to `top`: powers of two (and `base`), spread evenly, ends kept."""
-    points = sorted({1, top, *(2**i for i in range(top.bit_length()) if 2**i < top), *(b for b in base if b < top)})
-    if len(points) <= MAX_GRID:
-        return points
-    step = (len(points) - 1) / (MAX_GRID - 1)
-    return sorted({points[round(i * step)] for i in range(MAX_GRID)})
+    """At most MAX_GRID points from 1 to `top`: both ends and `base`, then powers of two between
+    them, spread evenly."""
+    kept = sorted({1, top, *(b for b in base if b < top)})
+    between = [2**i for i in range(1, top.bit_length()) if 2**i < top and 2**i not in kept]
+    room = min(max(MAX_GRID - len(kept), 0), len(between))
+    picked = {between[round((i + 1) * (len(between) + 1) / (room + 1)) - 1] for i in range(room)}
+    return sorted({*kept, *picked})
+
+
+def shapes(rows: list[int], tokens: list[int], all_logits: bool) -> list[tuple[int, int]]:
+    """The (rows, tokens) forwards `measure` times: every one of a verify table; a drafter's
+    catch-ups longer than SHARED_CATCH_UP on one row only, as the drafter runs them."""
+    return [(r, n) for r in rows for n in tokens if all_logits or r == 1 or n <= SHARED_CATCH_UP]
+
+
+def agreed(timings: list[float]) -> bool:
+    """Whether a shape's two fastest timings agree within AGREEMENT."""
+    fastest = sorted(timings)[:2]
+    return len(fastest) == 2 and fastest[1] <= fastest[0] * (1 + AGREEMENT)
 
 
 @torch.inference_mode()
 def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logits: bool) -> TimingTable:
-    """Time one forward of each shape through the layout the engine runs the model on (ragged, or
-    stateful for a model with recurrent state), after CONTEXT committed tokens per row; `all_logits`
-    as a verify forward (every position's logits) rather than a drafter step (the last position's
-    only).
+    """Time one forward of each shape (`shapes`) through the layout the engine runs the model on
+    (ragged, or stateful for a model with recurrent state), after CONTEXT committed tokens per row;
+    `all_logits` as a verify forward (every position's logits) rather than a drafter step (the last
+    position's only). Shapes whose timings never agreed are named in the table's `doubts`.
 
-    Shapes are timed in interleaved passes (a warm-up, then REPEATS) and each keeps its fastest, so
-    a burst of load on a shared machine hits every shape alike instead of one. A shape with more rows
-    or tokens may well be the cheaper one, and is recorded so: oneDNN's packed float32 product of one
-    or two rows was slower than that of three to six (a Qwen2.5 1.5B step here: 230-290 ms for 1 row x 1
-    token or 2 x 1, ~180 ms for 4 x 1 or 1 x 4, before `batchspec.kernels` padded small products).
-    Rating such a shape as dear as the smaller one (an earlier version did) made a 4-row plain step
-    look as dear as a 4-row verify of two tokens, and adaptive speculation verified drafts at batch 4
-    that did not pay."""
+    Shapes are timed in interleaved passes, each pass timing the shapes not yet agreed, so a burst
+    of load on a shared machine hits every pending shape alike instead of one. A shape with more
+    rows or tokens may well be the cheaper one, and is recorded so: oneDNN's packed float32 product
+    of one or two rows was slower than that of three to six (`kernels.PADDED_ROWS`). Rating such a
+    shape as dear as the smaller one made a 4-row plain step look as dear as a 4-row verify of two
+    tokens, and adaptive speculation verified drafts at batch 4 that did not pay."""
     limit = context_limit(model)
     context = CONTEXT if limit is None else min(CONTEXT, limit - max(tokens))
     device = next(model.parameters()).device
@@ -227,24 +286,58 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
     for r in rows:
         layouts[r] = layout_class(model, r, context + max(tokens))
         layouts[r].prefill([ids] * r)
-    best = {(r, n): math.inf for r in rows for n in tokens}
-    # on the bundled pair 9 s at batch 1, more for larger batches, once per machine (a bar in terminals only)
-    with tqdm(total=(REPEATS + 1) * len(rows) * len(tokens), unit="forward", file=sys.stderr, leave=False,
-              disable=None, desc=f"measuring {type(model).__name__} forward costs (once, cached)") as bar:
-        for timed in [False] + [True] * REPEATS:
-            for r in rows:
-                layout = layouts[r]
-                base = layout.lengths.clone()
-                for n in tokens:
-                    feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
-                    start = wall_clock(model)
-                    layout.forward(feed, last_only=not all_logits)
-                    elapsed = wall_clock(model) - start
-                    layout.commit(base)
-                    if timed:
-                        best[r, n] = min(best[r, n], elapsed)
-                    bar.update(1)
-    return TimingTable(rows, tokens, [[best[r, n] for n in tokens] for r in rows])
+
+    def seconds(r: int, n: int) -> float:
+        layout = layouts[r]
+        base = layout.lengths.clone()
+        feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
+        start = wall_clock(model)
+        layout.forward(feed, last_only=not all_logits)
+        elapsed = wall_clock(model) - start
+        layout.commit(base)
+        return elapsed
+
+    timed = shapes(rows, tokens, all_logits)
+    timings: dict[tuple[int, int], list[float]] = {shape: [] for shape in timed}
+    with tqdm(total=len(timed), unit="shape", file=sys.stderr, leave=False, disable=None,
+              desc=f"timing {type(model).__name__} forwards") as bar:
+        for r in rows:
+            seconds(r, tokens[0])  # warm-up: lazy initialisation is no shape's cost
+        for _ in range(TRIES):
+            for shape in [s for s in timed if not agreed(timings[s])]:
+                timings[shape].append(seconds(*shape))
+                bar.update(int(agreed(timings[shape])))
+    best = {shape: min(t) for shape, t in timings.items()}
+    doubts = [f"{r}x{n}'s timings never agreed ({', '.join(f'{t * 1e3:.1f}' for t in sorted(timings[r, n]))} ms)"
+              for r, n in timed if not agreed(timings[r, n])]
+    seconds_by_shape = [[best[r, n] if (r, n) in best else _one_by_one(best, r, n) for n in tokens] for r in rows]
+    return TimingTable(rows, tokens, seconds_by_shape, doubts)
+
+
+def _one_by_one(best: dict[tuple[int, int], float], rows: int, tokens: int) -> float:
+    """A drafter forward of `rows` rows x `tokens` tokens, longer than a shared catch-up: never run
+    (such catch-ups run one row at a time) and not timed, but the table is rectangular. Rated as the
+    longest shared one plus each row's extra tokens at one row's rate."""
+    shared = max(fed for many, fed in best if many == rows)
+    return best[rows, shared] + rows * max(0.0, best[1, tokens] - best[1, shared])
+
+
+def monotone_faults(table: TimingTable) -> list[str]:
+    """Neighbouring shapes of at least MONOTONE_FROM row-tokens where the one with more rows or more
+    tokens per row took less time beyond noise (MONOTONE_SLACK): physics says it cannot, so the
+    machine was busier for one than for the other."""
+    faults = []
+    for i, r in enumerate(table.rows):
+        for j, n in enumerate(table.tokens):
+            if r * n < MONOTONE_FROM:
+                continue
+            for bi, bj in ((i + 1, j), (i, j + 1)):
+                if bi < len(table.rows) and bj < len(table.tokens):
+                    more, less = table.seconds[bi][bj], table.seconds[i][j]
+                    if more * (1 + MONOTONE_SLACK) < less:
+                        faults.append(f"{table.rows[bi]}x{table.tokens[bj]} took {more * 1e3:.1f} ms, "
+                                      f"less than {r}x{n}'s {less * 1e3:.1f} ms")
+    return faults
 
 
 def fingerprint(model: torch.nn.Module) -> dict:
@@ -271,61 +364,166 @@ def costs_dir() -> Path:
     return cache_dir() / "costs"
 
 
+def say(message: str) -> None:
+    """One line on stderr, terminal or not (a log file, a notebook, a service's journal), above any
+    progress bar drawn there; a process without a usable stderr decodes on without it."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):  # a closed stream or a broken pipe
+            tqdm.write(f"batchspec: {message}", file=sys.stderr)
+            sys.stderr.flush()
+
+
 _MEMO: dict[str, TimingTable] = {}
 
 
-def _cached_table(path: Path) -> TimingTable | None:
+def _cached_table(path: Path) -> tuple[TimingTable | None, str | None]:
+    """The table in a cache file, if it holds a well-formed one, and why it was marked stale, if it was."""
     try:
-        return TimingTable(**json.loads(path.read_text(encoding="utf-8"))["table"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing or unreadable: measure again
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("stale"):
+            return None, str(data["stale"])
+        table = TimingTable(**data["table"])
+        sizes = [len(line) for line in table.seconds]
+        if not (table.rows and table.tokens and sizes == [len(table.tokens)] * len(table.rows)
+                and all(t >= 0 for line in table.seconds for t in line)):
+            return None, None
+        return table, None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, None  # missing or unreadable: measure again
+
+
+_FOUND_OFF: set[tuple[Path, ...]] = set()  # tables already found off in this process
+
+
+def mark_stale(files: tuple[Path, ...], why: str) -> None:
+    """Flag cache files so that the next `calibrated` measures anew, and say so, once per process
+    (every engine of a bench reads the same table). A file that cannot be rewritten is removed; one
+    that can be neither is left to the start-up check."""
+    if files in _FOUND_OFF:
+        return
+    _FOUND_OFF.add(files)
+    marked = 0
+    for path in files:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data["stale"] = why
+            path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+            marked += 1
+        except (OSError, ValueError, TypeError):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                marked += 1
+    done = "its cache marked stale: the next start re-times it" if marked else "it was not cached"
+    say(f"the cost table is off ({why}); {done}")
+
+
+@dataclass
+class _Calibration:
+    """One model's timing table as it is looked up and, if need be, measured."""
+
+    model: torch.nn.Module
+    rows: int
+    tokens: list[int]
+    all_logits: bool
+    table: TimingTable | None = None
+    where: str = "measured"
+    parts: dict = field(init=False)  # what the table depends on (`fingerprint`), its cache key's source
+    path: Path = field(init=False)  # its cache file
+
+    def __post_init__(self) -> None:
+        self.parts = fingerprint(self.model) | {"all_logits": self.all_logits, "calibration": CALIBRATION_VERSION}
+        self.path = costs_dir() / f"{hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()[:20]}.json"
+
+    @property
+    def role(self) -> str:
+        return "target" if self.all_logits else "drafter"
 
 
 def calibrated(model: torch.nn.Module, rows: int, tokens: list[int], all_logits: bool, fresh: bool = False,
                measure_fn: Callable[..., TimingTable] = measure) -> tuple[TimingTable, str]:
     """The model's timing table covering up to `rows` rows and the `tokens` grid: from this
-    process, from the cache file, or measured now (and cached); `fresh` measures anew whatever is
-    cached. Returns it and where it came from.
+    process, from the cache file, or measured now (and cached if it checks out); `fresh` measures
+    anew whatever is cached. Returns it and where it came from."""
+    found = _calibrate([_Calibration(model, rows, tokens, all_logits)], fresh, measure_fn)[0]
+    assert found.table is not None  # _calibrate leaves none unmeasured
+    return found.table, found.where
 
-    A table read from the file is checked once per process against one quick forward of its
-    smallest shape: a table measured while something else loaded the machine would have adaptive
+
+def _calibrate(wanted: list[_Calibration], fresh: bool, measure_fn: Callable[..., TimingTable]) -> list[_Calibration]:
+    """Look each table up, then measure those missing, announced in one line and reported in one."""
+    for c in wanted:
+        _look_up(c, fresh, measure_fn)
+    missing = [c for c in wanted if c.table is None]
+    if not missing:
+        return wanted
+    started = time.perf_counter()
+    counts = [len(shapes(grid(c.rows), c.tokens, c.all_logits)) for c in missing]
+    plans = ", ".join(f"{c.role} {type(c.model).__name__}: {n} shapes up to {c.rows} rows x {max(c.tokens)} tokens"
+                      for c, n in zip(missing, counts))
+    say(f"timing forwards once for this machine ({plans}; each until two timings agree, at most "
+        f"{TRIES * sum(counts)} forwards: ~10-30 s for the bundled pair on a 2-core CPU, less on a GPU; "
+        "left out of the decoding figures)")
+    for c in missing:
+        c.table = measure_fn(c.model, grid(c.rows), c.tokens, c.all_logits)
+        c.where = _keep(c)
+    ended = "; ".join(f"{c.role} {c.where}" for c in missing)
+    say(f"cost calibration took {time.perf_counter() - started:.1f} s: {ended}")
+    return wanted
+
+
+def _look_up(c: _Calibration, fresh: bool, measure_fn: Callable[..., TimingTable]) -> None:
+    """This process's table, or the cache file's if it covers the shapes and its smallest shape still
+    takes what it took: a table measured while something else loaded the machine would have adaptive
     speculation decline drafts that pay, for good (a policy that never drafts never observes a
-    drafter step to correct it by)."""
-    parts = fingerprint(model) | {"all_logits": all_logits, "calibration": CALIBRATION_VERSION}
-    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
-    path = costs_dir() / f"{key}.json"
-    memo = None if fresh else _MEMO.get(key)
-    if memo is not None and memo.covers(rows, max(tokens)):
-        return memo, f"cached {path}"
-    why = "measured"
-    table = None if fresh or memo is not None else _cached_table(path)
-    if table is not None and table.covers(rows, max(tokens)):
-        was, now = table(1, tokens[0]), measure_fn(model, [1], tokens[:1], all_logits)(1, tokens[0])
-        if was <= STALE_FACTOR * now:
-            _MEMO[key] = table
-            return table, f"cached {path}"
-        why = f"re-measured (the cached table's {was * 1e3:.1f} ms took {now * 1e3:.1f} ms now)"
-    table = measure_fn(model, grid(rows), tokens, all_logits)
-    _MEMO[key] = table
+    drafter step to correct it by). Leaves `c.table` None, and `c.where` saying why, when measuring."""
+    memo = None if fresh else _MEMO.get(c.path.stem)
+    if memo is not None and memo.covers(c.rows, max(c.tokens)):
+        c.table, c.where = memo, f"cached {c.path}" if not memo.doubts else "measured earlier in this process"
+        return
+    table, stale = (None, None) if fresh or memo is not None else _cached_table(c.path)
+    if stale:
+        c.where = f"re-measured (the cached table was marked stale: {stale})"
+    if table is None or not table.covers(c.rows, max(c.tokens)):
+        return
+    was, now = table(1, c.tokens[0]), measure_fn(c.model, [1], c.tokens[:1], c.all_logits)(1, c.tokens[0])
+    if was <= STALE_FACTOR * now:
+        _MEMO[c.path.stem] = table
+        c.table, c.where = table, f"cached {c.path}"
+    else:
+        c.where = f"re-measured (the cached table's {was * 1e3:.1f} ms took {now * 1e3:.1f} ms now)"
+
+
+def _keep(c: _Calibration) -> str:
+    """Keep a measured table for this process, and in the cache file if it checks out (timings that
+    agreed, monotone where it must be). Returns where it went."""
+    assert c.table is not None
+    _MEMO[c.path.stem] = c.table
+    faults = c.table.doubts + monotone_faults(c.table)
+    if faults:
+        more = f" and {len(faults) - 1} more" if len(faults) > 1 else ""
+        return f"{c.where}, not cached, used for this run only ({faults[0]}{more}: was the machine busy?)"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"fingerprint": parts, "table": asdict(table)}, indent=1) + "\n", encoding="utf-8")
-        return table, f"{why}, cached in {path}"
+        c.path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"fingerprint": c.parts, "table": asdict(c.table)}, indent=1) + "\n"
+        c.path.write_text(text, encoding="utf-8")
+        return f"{c.where}, cached in {c.path}"
     except OSError:
-        return table, f"{why} (cache dir not writable)"
+        return f"{c.where} (cache dir not writable)"
 
 
 def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows: int, max_drafts: int,
-                   fresh: bool = False) -> MeasuredCosts:
+                   fresh: bool = False, measure_fn: Callable[..., TimingTable] = measure) -> MeasuredCosts:
     """Costs of rounds of up to `rows` rows and `max_drafts` drafts each (verify feeds max_drafts + 1)."""
-    verify, where = calibrated(target, rows, grid(max_drafts + 1, (2,)), all_logits=True, fresh=fresh)
-    draft_table = None
+    wanted = [_Calibration(target, rows, grid(max_drafts + 1, (2,)), all_logits=True)]
     if draft is not None:
         limit = context_limit(draft)  # a catch-up longer than the context can neither happen nor be measured
         tokens = [n for n in DRAFT_TOKENS if limit is None or n + CONTEXT <= limit]
-        draft_table, draft_where = calibrated(draft, rows, tokens, all_logits=False, fresh=fresh)
-        where = f"target {where}; drafter {draft_where}"
-    return MeasuredCosts(verify, draft_table, where)
+        wanted.append(_Calibration(draft, rows, tokens, all_logits=False))
+    found = _calibrate(wanted, fresh, measure_fn)
+    tables = [c.table for c in found]
+    where = found[0].where if draft is None else "; ".join(f"{c.role} {c.where}" for c in found)
+    return MeasuredCosts(tables[0], tables[1] if draft is not None else None, where,
+                         files=tuple(c.path for c in found))
 
 
 def round_time(costs: Costs, rows: int, width: int, steps: int) -> float:

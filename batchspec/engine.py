@@ -125,6 +125,7 @@ class Engine:
         (None: as many as the policy uses), fewer if `max_kv_slots` cannot hold them. Returns the rows
         granted. Requests that need more are refused by `validate`."""
         self.rows, self.speculation = self.parts.reserve(rows, capacity, self.scheduler)
+        self.stats.calibration_s += self.parts.calibration_s
         self.capacity = capacity
         return self.rows.max_rows
 

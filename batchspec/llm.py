@@ -120,7 +120,8 @@ class LLM:
         try:
             for seq in engine.stream([ids[i] for i in accepted], [per_request[i] for i in accepted]):
                 index = accepted[seq.index]
-                yield self._output(index, prompts[index], seq, start)
+                # times from the end of any cost calibration, which ran before the first sequence could finish
+                yield self._output(index, prompts[index], seq, start + engine.stats.calibration_s)
         finally:
             self.stats.merge(engine.stats)
             self.costs = engine.costs

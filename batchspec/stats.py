@@ -19,6 +19,9 @@ class EngineStats:
     generated: int = 0
     prefill_tokens: int = 0  # prompt tokens prefilled (target)
     prefill_fed: int = 0  # token positions the target's prefill forwards computed (prompt + padding)
+    # measuring the cost model (once per machine and model, at the first reserve): in no phase above,
+    # and left out of every tokens/s, end to end included
+    calibration_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

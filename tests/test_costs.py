@@ -3,6 +3,9 @@ assertion here depends on how fast anything ran."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 from tinyworld import ScriptedCosts, tiny_model, tiny_stateful_model
 
@@ -18,6 +21,7 @@ from batchspec.costs import (
     fingerprint,
     grid,
     measure,
+    measured_costs,
 )
 from batchspec.layouts.ragged import RaggedLayout
 
@@ -35,10 +39,12 @@ def test_timing_table_interpolates_and_extends_linearly():
 def test_grid_keeps_both_ends_and_few_points():
     assert grid(1) == [1]
     assert grid(4) == [1, 2, 4]
-    assert grid(6, (2,)) == [1, 2, 4, 6]
+    assert grid(6, (2,)) == [1, 2, 6]  # the one-draft verify the policy probes is measured, not interpolated
+    assert grid(8) == [1, 4, 8]
     for top in (3, 8, 32, 100):
         points = grid(top)
-        assert points[0] == 1 and points[-1] == top and len(points) <= 4 and points == sorted(set(points))
+        assert points[0] == 1 and points[-1] == top and len(points) <= costs_module.MAX_GRID
+        assert points == sorted(set(points))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mamba2"])
@@ -70,9 +76,56 @@ def test_measure_records_each_shape_as_timed_even_where_more_work_is_faster(monk
     monkeypatch.setattr(RaggedLayout, "forward", timed_forward)
     monkeypatch.setattr(costs_module, "wall_clock", lambda model: now[0])
     table = measure(tiny_model("qwen2", vocab_size=50), [1, 2, 4], [1, 2, 4], all_logits=True)
-    assert len(forwards) == 9 * (1 + costs_module.REPEATS)  # a warm-up pass, then the timed ones
+    # a warm-up per layout, two passes, and a third timing of the one shape the burst hit
+    assert len(forwards) == 3 + 9 + 9 + 1 and forwards[-1] == forwards[19]
     assert table.seconds == [[pytest.approx(seconds(r, t)) for t in [1, 2, 4]] for r in [1, 2, 4]]
     assert table(4, 1) < table(2, 1) and table(1, 4) < table(1, 2)
+    assert table.doubts == [] and costs_module.monotone_faults(table) == []  # below MONOTONE_FROM: not judged
+
+
+def scripted_clock(monkeypatch, durations: dict[tuple[int, int], list[float]]) -> list[tuple[int, int]]:
+    """Each forward of a shape takes the next of its scripted durations (the last one repeats; 1 s
+    unscripted); returns the shapes forwarded, in order."""
+    now = [0.0]
+    forwards: list[tuple[int, int]] = []
+    original = RaggedLayout.forward
+
+    def timed_forward(self, tokens, **kwargs):
+        shape = tuple(tokens.shape)
+        script = durations.get(shape, [1.0])
+        now[0] += script[min(forwards.count(shape), len(script) - 1)]
+        forwards.append(shape)
+        return original(self, tokens, **kwargs)
+
+    monkeypatch.setattr(RaggedLayout, "forward", timed_forward)
+    monkeypatch.setattr(costs_module, "wall_clock", lambda model: now[0])
+    return forwards
+
+
+def test_each_shape_is_timed_until_two_timings_agree(monkeypatch):
+    """Timings on a shared machine disagree: a shape is timed again until its two fastest agree within
+    AGREEMENT, and counts its fastest; one that never agrees within TRIES is named in the doubts."""
+    forwards = scripted_clock(monkeypatch, {
+        (1, 1): [9.0, 1.0, 1.05],  # the warm-up, then two timings that agree
+        (1, 2): [3.0, 2.0, 2.1],  # a slow first timing: a third one agrees with the second
+        (2, 1): [9.0, 1.0, 2.0, 3.0],  # the warm-up, then timings that never agree
+    })
+    table = measure(tiny_model("qwen2", vocab_size=50), [1, 2], [1, 2], all_logits=True)
+    assert forwards.count((1, 1)) == 1 + 2 and forwards.count((2, 2)) == 2
+    assert forwards.count((1, 2)) == 3 and table(1, 2) == pytest.approx(2.0)
+    assert forwards.count((2, 1)) == 1 + costs_module.TRIES and table(2, 1) == pytest.approx(1.0)
+    assert len(table.doubts) == 1 and table.doubts[0].startswith("2x1's timings never agreed (1000.0, 2000.0")
+
+
+def test_a_drafters_long_catch_up_is_timed_on_one_row_only(monkeypatch):
+    """Catch-ups longer than SHARED_CATCH_UP run one row at a time: no forward of several rows that
+    long is timed (the bundled drafter's 4 x 128 tokens would be the dearest shape of a calibration),
+    and the table rates it as the shared catch-up plus each row's extra tokens."""
+    long, shared = 128, costs_module.SHARED_CATCH_UP
+    forwards = scripted_clock(monkeypatch, {(1, shared): [0.2], (1, long): [0.5], (2, shared): [0.3]})
+    table = measure(tiny_model("qwen2", vocab_size=50), [1, 2], [1, shared, long], all_logits=False)
+    assert (2, long) not in forwards and forwards.count((1, long)) == 2
+    assert table(2, long) == pytest.approx(0.3 + 2 * (0.5 - 0.2))
 
 
 def test_calibration_is_cached_per_model_and_refreshed_when_it_does_not_cover(tmp_path, monkeypatch):
@@ -97,10 +150,141 @@ def test_calibration_is_cached_per_model_and_refreshed_when_it_does_not_cover(tm
     calibrated(llama, 2, [1, 2], False, measure_fn=fake)  # drafter steps are timed apart from verifies
     calibrated(llama, 2, [1, 2, 7], True, measure_fn=fake)  # more tokens than measured: measure again
     calibrated(llama, 2, [1, 3], True, fresh=True, measure_fn=fake)
-    assert [c[0] for c in calls[2:]] == [[1, 2, 4, 8], [1, 2], [1, 2], [1, 2], [1, 2]]
+    assert [c[0] for c in calls[2:]] == [[1, 4, 8], [1, 2], [1, 2], [1, 2], [1, 2]]
     assert [c[1] for c in calls[2:]] == [[1, 2, 6], [1, 3], [1, 2], [1, 2, 7], [1, 3]]
     assert fingerprint(llama) != fingerprint(gpt2)
     assert fingerprint(llama) == fingerprint(tiny_model("llama", vocab_size=50))
+
+
+def linear_fake(calls: list | None = None, speed: float = 0.1):
+    """A scripted `measure`: `speed` seconds per row-token, every shape agreed."""
+    def fake(model, rows, tokens, all_logits):
+        if calls is not None:
+            calls.append((rows, tokens))
+        return TimingTable(rows, tokens, [[speed * r * t for t in tokens] for r in rows])
+
+    return fake
+
+
+def test_a_table_that_does_not_check_out_is_used_but_not_cached(tmp_path, monkeypatch, capsys):
+    """Timings that never agreed, or a shape with more work rated much cheaper than one with less
+    (beyond MONOTONE_FROM row-tokens, where no kernel path explains it), come from a busy machine:
+    the table serves this process and is measured anew by the next."""
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    model = tiny_model("qwen2", vocab_size=50)
+
+    def busy(model, rows, tokens, all_logits):  # 4 rows x 2 tokens rated half of 2 rows x 2 tokens
+        return TimingTable(rows, tokens, [[0.1 * r * t * (0.25 if (r, t) == (4, 2) else 1) for t in tokens] for r in rows])
+
+    table, where = calibrated(model, 4, [1, 2], True, measure_fn=busy)
+    assert table(4, 2) == pytest.approx(0.2) and "not cached, used for this run only" in where
+    assert "4x2 took 200.0 ms, less than 2x2's 400.0 ms" in where
+    assert list(tmp_path.glob("*.json")) == []
+    assert "not cached" in capsys.readouterr().err
+    assert calibrated(model, 4, [1, 2], True, measure_fn=linear_fake())[0] is table  # this process keeps it
+    monkeypatch.setattr(costs_module, "_MEMO", {})  # the next process measures anew
+
+    def unsettled(model, rows, tokens, all_logits):
+        return TimingTable(**(asdict(linear_fake()(model, rows, tokens, all_logits)) | {"doubts": ["1x2's timings never agreed"]}))
+
+    assert "not cached" in calibrated(model, 4, [1, 2], True, measure_fn=unsettled)[1]
+    assert list(tmp_path.glob("*.json")) == []
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    assert "cached in" in calibrated(model, 4, [1, 2], True, measure_fn=linear_fake())[1]
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_monotonicity_is_judged_only_where_physics_demands_it():
+    """A 1-row forward dearer than a 4-row one is a CPU kernel's small-product path (recorded as
+    timed); 4 rows x 4 tokens cheaper than 4 x 2 beyond the slack is not physics."""
+    table = TimingTable([1, 2, 4], [1, 2, 4], [[0.3, 0.25, 0.3], [0.3, 0.3, 0.4], [0.2, 0.35, 0.5]])
+    assert costs_module.monotone_faults(table) == []
+    table.seconds[2][2] = 0.34  # within the slack of 4x2's 0.35 s and 2x4's 0.4 s: noise, not a fault
+    assert costs_module.monotone_faults(table) == []
+    table.seconds[2][2] = 0.28
+    assert costs_module.monotone_faults(table) == ["4x4 took 280.0 ms, less than 2x4's 400.0 ms",
+                                                   "4x4 took 280.0 ms, less than 4x2's 350.0 ms"]
+
+
+def test_calibration_says_what_it_times_and_how_long_it_took(tmp_path, monkeypatch, capfd):
+    """One line when a calibration starts (which models, how many shapes), one when it ends
+    (seconds, where cached), on stderr whether or not it is a terminal; nothing when cached."""
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    target, draft = tiny_model("qwen2", vocab_size=50), tiny_model("llama", vocab_size=50)
+    measured_costs(target, draft, 4, 5, measure_fn=linear_fake())
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("batchspec: timing forwards once") and "target Qwen2ForCausalLM: 9 shapes" in lines[0]
+    assert "drafter LlamaForCausalLM: 10 shapes up to 4 rows x 128 tokens" in lines[0]
+    assert f"at most {19 * costs_module.TRIES} forwards" in lines[0]  # the bound, stated
+    assert lines[1].startswith("batchspec: cost calibration took ") and f"cached in {tmp_path}" in lines[1]
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    costs = measured_costs(target, draft, 4, 5, measure_fn=linear_fake())
+    assert capfd.readouterr().err == "" and costs.source.count("cached") == 2
+
+
+def test_rounds_far_from_the_table_mark_its_cache_stale(tmp_path, monkeypatch, capsys):
+    """The user's table said 2.4 s for a step that took 0.47 s: rounds running more than DRIFT off
+    the table's prediction over DRIFT_ROUNDS rounds mark its cache file stale (said once), and the
+    next start measures anew; rounds within DRIFT leave it."""
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    target, draft = tiny_model("qwen2", vocab_size=50), tiny_model("llama", vocab_size=50)
+    calls: list = []
+    costs = measured_costs(target, draft, 2, 3, measure_fn=linear_fake(calls))
+    assert len(costs.files) == 2 and all(f.exists() for f in costs.files)
+    capsys.readouterr()
+    for _ in range(3 * costs_module.DRIFT_ROUNDS):  # 20% slower: load, not a wrong table
+        costs.observe(2, 1, 1, draft_s=0.1, verify_s=1.2 * costs.verify(2, 2), other_s=0.0)
+    assert not costs.drifted and capsys.readouterr().err == ""
+    assert not any("stale" in json.loads(f.read_text()) for f in costs.files)
+    for _ in range(costs_module.DRIFT_ROUNDS // 2 - 1):  # 5x faster: the table was measured on a busy machine
+        costs.observe(2, 0, 0, draft_s=0.0, verify_s=0.2 * costs.verify(2, 1), other_s=0.0)
+    assert not costs.drifted  # ... or a burst of odd rounds: the median of the last ones is still within DRIFT
+    for _ in range(costs_module.DRIFT_ROUNDS):
+        costs.observe(2, 0, 0, draft_s=0.0, verify_s=0.2 * costs.verify(2, 1), other_s=0.0)
+    err = capsys.readouterr().err
+    assert costs.drifted and err.count("\n") == 1 and "cost table is off (verify forwards ran 0.70x its prediction over 20 rounds)" in err
+    assert all(json.loads(f.read_text())["stale"] for f in costs.files)
+    repeat = MeasuredCosts(costs.verify, costs.draft, files=costs.files)  # another engine, same table
+    for _ in range(costs_module.DRIFT_ROUNDS):
+        repeat.observe(2, 0, 0, draft_s=0.0, verify_s=0.2 * costs.verify(2, 1), other_s=0.0)
+    assert repeat.drifted and capsys.readouterr().err == ""  # said once per process
+    monkeypatch.setattr(costs_module, "_MEMO", {})  # the next start
+    calls.clear()
+    again = measured_costs(target, draft, 2, 3, measure_fn=linear_fake(calls))
+    assert [rows for rows, _ in calls] == [[1, 2], [1, 2]]  # both measured anew, no quick check
+    assert again.source.count("marked stale") == 2 and not any("stale" in json.loads(f.read_text()) for f in again.files)
+
+
+def test_a_stale_flag_or_a_cache_that_cannot_be_written_breaks_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    folder = tmp_path / "costs"
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: folder)
+    model = tiny_model("qwen2", vocab_size=50)
+    table, where = calibrated(model, 2, [1, 2], True, measure_fn=linear_fake())
+    (path,) = folder.glob("*.json")
+    empty = '{"table": {"rows": [], "tokens": [], "seconds": []}}'
+    for text in ("[1, 2]", '{"table": {"rows": [1], "tokens": [1, 2], "seconds": [[0.1]]}}', empty, "{"):
+        path.write_text(text)  # not a table this version wrote: measured anew, never a crash
+        monkeypatch.setattr(costs_module, "_MEMO", {})
+        assert calibrated(model, 2, [1, 2], True, measure_fn=linear_fake())[1].startswith("measured, cached")
+    path.write_text("{")
+    costs = MeasuredCosts(table, None, files=(path,))
+    for _ in range(costs_module.DRIFT_ROUNDS):
+        costs.observe(1, 0, 0, 0.0, 10 * table(1, 1), 0.0)
+    assert costs.drifted and not path.exists()  # an unreadable file is removed instead
+    folder.rmdir()
+    folder.write_text("a file where the cache dir should be")  # not writable: used, not cached
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    table, where = calibrated(model, 2, [1, 2], True, measure_fn=linear_fake())
+    assert where == "measured (cache dir not writable)"
+    costs = MeasuredCosts(table, None, files=(folder / "x.json",))
+    for _ in range(costs_module.DRIFT_ROUNDS):
+        costs.observe(1, 0, 0, 0.0, 10 * table(1, 1), 0.0)
+    assert costs.drifted and "it was not cached" in capsys.readouterr().err
 
 
 def test_cost_tables_are_kept_apart_per_instruction_set(monkeypatch):
@@ -192,3 +376,49 @@ def test_cost_report_names_times_and_break_even_rates():
     assert "measured here" in text and "390.0" in text and "160.0" in text
     assert "128 tok/row" in text and "500.0" in text  # what catching a row up (a deferred prefill) costs
     assert "Break-even acceptance" in text and "K=5" in text
+
+
+# ---- kept out of the decoding figures ------------------------------------------------------------------
+def test_calibration_seconds_are_reported_apart_and_counted_in_no_tokens_per_second(tiny_pair_dirs, monkeypatch):
+    """A first calibration once counted in the run's wall time: its seconds are `calibration_s`, in
+    no phase, and neither the end-to-end tokens/s nor a request's latency includes them."""
+    import time
+
+    from batchspec import build as build_module
+    from batchspec.config import ModelConfig, SamplingParams, SpecConfig
+    from batchspec.llm import LLM
+
+    pause = 0.5
+
+    def slow_calibration(target, draft, rows, max_drafts):
+        time.sleep(pause)
+        return ScriptedCosts()
+
+    monkeypatch.setattr(build_module, "measured_costs", slow_calibration)
+    target, draft = tiny_pair_dirs
+    llm = LLM(ModelConfig(str(target), str(draft)),
+              spec=SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2, speculation="adaptive"))
+    start = time.perf_counter()
+    (out,) = llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))
+    wall = time.perf_counter() - start
+    stats = llm.stats
+    assert pause <= stats.calibration_s < wall
+    assert out.latency <= wall - stats.calibration_s  # timed from the end of the calibration
+    assert stats.total_time <= wall - stats.calibration_s
+    first = stats.calibration_s
+    llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4))  # the LLM keeps its costs: measured once
+    assert llm.stats.calibration_s == first
+
+
+def test_calibration_seconds_merge_and_leave_the_summary_throughput():
+    from batchspec.commands.generate import summarize
+    from batchspec.llm import RequestOutput
+    from batchspec.stats import EngineStats
+
+    total = EngineStats(calibration_s=2.0, verify_time=1.0)
+    total.merge(EngineStats(calibration_s=3.0, verify_time=1.0))  # e.g. two Ray workers
+    assert total.calibration_s == 5.0 and total.total_time == 2.0
+    out = RequestOutput(0, "p", [1], token_ids=list(range(12)), rounds=4)
+    summary = summarize([out], wall=10.0, calibration=4.0)
+    assert summary["calibration_seconds"] == 4.0 and summary["tokens_per_second"] == 2.0
+    assert summarize([out], wall=4.0, calibration=4.0)["tokens_per_second"] is None

@@ -11,6 +11,7 @@ import argparse
 import json
 import resource
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -184,12 +185,14 @@ def _run_one(args: argparse.Namespace) -> int:
     )
 
     warm_up(models, prompts[0].token_ids)
-    costs_text = None
+    costs_text, calibration_s = None, 0.0
     if args.costs or args.recalibrate or any(s.speculation == "adaptive" for s in specs):
         # once, for the largest round any method runs, so no method pays for a calibration
         rows = max(s.batch_size for s in specs)
         most = max(s.num_draft_tokens or template.num_draft_tokens for s in specs)
+        started = time.perf_counter()
         costs = measured_costs(models.target, models.draft, rows, most, fresh=args.recalibrate)
+        calibration_s = time.perf_counter() - started  # in no run's time: reported apart
         costs_text = render_costs(costs, sorted({1, *(s.batch_size for s in specs)}), most)
         if args.costs:
             print(costs_text + "\n", flush=True)  # before the (long) runs: why adaptive methods choose their K
@@ -248,6 +251,7 @@ def _run_one(args: argparse.Namespace) -> int:
             },
             "prompts": prompt_info,
             "costs": costs_text,
+            "calibration_s": round(calibration_s, 3),
             "auditor": classify.describe(),
             "note": NOISE_NOTE,
             "methods": entries,

@@ -53,8 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_ray_arguments(p)
 
 
-def summarize(outputs: list[RequestOutput], wall: float) -> dict:
-    """Throughput and acceptance over the successful requests."""
+def summarize(outputs: list[RequestOutput], wall: float, calibration: float = 0.0) -> dict:
+    """Throughput and acceptance over the successful requests; `calibration`: seconds of `wall` spent
+    measuring the cost model (once per machine), which no tokens/s counts."""
     ok = [o for o in outputs if o.error is None]
     generated = sum(len(o.token_ids) for o in ok)
     rounds = sum(o.rounds for o in ok)
@@ -65,7 +66,8 @@ def summarize(outputs: list[RequestOutput], wall: float) -> dict:
         "errors": len(outputs) - len(ok),
         "generated_tokens": generated,
         "wall_seconds": round(wall, 3),
-        "tokens_per_second": round(generated / wall, 3) if wall > 0 else None,
+        "calibration_seconds": round(calibration, 3),
+        "tokens_per_second": round(generated / (wall - calibration), 3) if wall > calibration else None,
         # tokens each row gains per verification round (the first token comes from prefill)
         "mean_accepted_length": round((generated - len(ok)) / rounds, 3) if rounds else None,
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if output:
             output.finish(rows)
     fresh = [decoded.outputs[i] for i in sorted(decoded.outputs)]
-    summary = summarize(fresh, decoded.wall)
+    summary = summarize(fresh, decoded.wall, decoded.calibration_s)
     if args.resume:
         summary["resumed"] = len(records) - len(todo)
     summary["weights"] = weights_report(model_config(args), getattr(decoded.llm, "models", None))
@@ -138,6 +140,12 @@ class _Run:
     @property
     def stats(self) -> EngineStats:
         return self.llm.stats if self.llm else EngineStats()
+
+    @property
+    def calibration_s(self) -> float:
+        """Seconds of `wall` spent measuring the cost model. Ray workers measure side by side, each
+        its own: about one worker's share of their sum."""
+        return self.stats.calibration_s / getattr(self.llm, "workers", 1)
 
 
 def _decode(
