@@ -23,6 +23,15 @@ class NullTrace:
     def record(self, piece: str, seconds: float, **fields: Any) -> None:
         """One piece of the current step: its kind, wall seconds and what it ran."""
 
+    def close(self) -> None:
+        """Nothing more will be recorded."""
+
+    def __enter__(self) -> NullTrace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 NO_TRACE = NullTrace()
 
@@ -52,6 +61,3 @@ class StepTrace(NullTrace):
 
     def __enter__(self) -> StepTrace:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

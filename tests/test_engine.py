@@ -74,7 +74,7 @@ def test_oracle_matches_transformers_generate():
     rows=st.lists(st.tuples(one_or_up_to(24), one_or_up_to(24)), min_size=1, max_size=10),
     seed=st.integers(0, 10_000),
     use_stop=st.booleans(),
-    chunk=st.sampled_from([None, 1, 3, 16, 100]),
+    chunk=st.sampled_from([None, 0, 1, 3, 16, 100]),
 )
 # issue 8: a lone 1-token prompt (exspec's drafter rectangle had width 0), and a longer row finishing
 # at its first token, leaving only 1-token rows (eqspec's drafter realigned to width 0)
@@ -363,7 +363,7 @@ def run_to_end(engine) -> dict[int, list[int]]:
     return done
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("chunk", [None, 0, 5])
 def test_requests_added_between_steps_decode_exactly(chunk):
     arch = "qwen2"
     spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, max_prefill_tokens=chunk)
@@ -471,7 +471,7 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
     k=st.integers(1, 6),
     budgets=st.lists(one_or_up_to(24), min_size=1, max_size=8),
     seed=st.integers(0, 10_000),
-    chunk=st.sampled_from([None, 2, 16]),
+    chunk=st.sampled_from([None, 0, 2, 16]),
 )
 def test_adaptive_and_lookup_drafting_match_oracle(arch, method, continuous, drafter_kind, adaptive, costs, batch_size,
                                                    k, budgets, seed, chunk):

@@ -147,10 +147,11 @@ class AdaptiveSpeculation(Speculation):
         return 0 if self.chunk is None else max(-(-lag // self.chunk) - 1, 0)
 
     def within_budget(self, steer: RoundSteering) -> None:
-        """Fit this step's catch-ups into its allowance: the drafting rows' lags, smallest first, as
-        long as they fit; a long lag that does not is fed what is left of the allowance as a piece
-        (`RoundSteering.pieces`) and its row does not draft this round, nor does a short lag that
-        does not fit (it is fed once a step has room)."""
+        """Fit this step's catch-ups into its allowance: the drafting rows' lags, smallest first (a
+        catch-up begun in earlier steps first), as long as they fit; the first that does not is fed
+        what is left of the allowance as a piece (`RoundSteering.pieces`), and no row whose lag does
+        not fit drafts this round. Pieces go to short lags too: with an allowance under
+        SHARED_CATCH_UP, a short lag that waited for room to be fed whole would never be."""
         steer.feed = torch.zeros_like(steer.backlog)
         if steer.allowance is None:
             return
@@ -163,7 +164,7 @@ class AdaptiveSpeculation(Speculation):
                 left -= lag
                 continue
             steer.caps[b] = 0
-            if lag > SHARED_CATCH_UP and left > 0:
+            if left > 0:
                 steer.feed[b], left = left, 0
 
     @staticmethod
