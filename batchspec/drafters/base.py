@@ -30,9 +30,9 @@ class Steering(Protocol):
         ...
 
     def pieces(self) -> torch.Tensor:
-        """Long [b], read once `proceed(0)` has answered, whatever it answered: tokens of a long
-        catch-up to feed row b this step although it does not draft (the step's token budget cannot
-        hold the whole catch-up, so later steps continue it); 0 for every other row."""
+        """Long [b], read once `proceed(0)` has answered, whatever it answered: tokens of a catch-up
+        to feed row b alone this step although it does not draft (what is left of the step's token
+        budget cannot hold the whole catch-up, so later steps continue it); 0 for every other row."""
         ...
 
     def observed(self, step: int, logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None) -> None: ...

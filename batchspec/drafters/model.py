@@ -20,9 +20,9 @@ worth that cost (`backlog` tells the policy what each row would cost). A row the
 round (`Steering.drafting`) is not caught up; it is fed along with the others (the forward is
 rectangular) and its cursor is set back afterwards, so its cache keeps only what is valid.
 
-Under a per-step token budget (chunked prefill) the policy may start a long catch-up that one step
-cannot hold (`Steering.pieces`): the row is fed that many tokens of its lag, alone, and does not draft
-this round. Its cursor then stands at what it validly holds, so the next step's lag (`backlog`) is
+Under a per-step token budget (chunked prefill) the policy may start a catch-up that what is left of
+the step's budget cannot hold (`Steering.pieces`): the row is fed that many tokens of its lag, alone,
+and does not draft this round. Its cursor then stands at what it validly holds, so the next step's lag (`backlog`) is
 what remains, and it drafts once a step can finish its catch-up.
 """
 
@@ -156,8 +156,7 @@ class ModelDrafter(Drafter):
                 alone = lag > 0  # the shared rectangle would run past some row's slots: no sharing
             for b in alone.nonzero().flatten().tolist():
                 n = int(lag[b])
-                self._timed([b], [n], shared=False, complete=True,
-                            feed=lambda: self.layout.feed_row(b, self._lagging(seqs[b], int(have[b]), n)))
+                self._timed([b], [n], False, True, self.layout.feed_row, b, self._lagging(seqs[b], int(have[b]), n))
             shared &= ~alone
         if bool(shared.any()):
             width = int(lag[shared].max())
@@ -166,9 +165,8 @@ class ModelDrafter(Drafter):
                 row = self._lagging(s, b, n) if fed else []
                 rows.append(row + [FILLER_TOKEN] * (width - len(row)))
             fed_rows = shared.nonzero().flatten().tolist()
-            self._timed(fed_rows, [int(lag[b]) for b in fed_rows], shared=True, complete=True,
-                        feed=lambda: self.layout.forward(torch.tensor(rows, dtype=torch.long, device=device),
-                                                         last_only=True))
+            self._timed(fed_rows, [int(lag[b]) for b in fed_rows], True, True,
+                        self.layout.forward, torch.tensor(rows, dtype=torch.long, device=device), True)
         self.layout.commit(torch.where(joined, target, have))
         return have, torch.tensor([s.tail(2) for s in seqs], dtype=torch.long, device=device)
 
@@ -180,18 +178,18 @@ class ModelDrafter(Drafter):
         for b in pieces.nonzero().flatten().tolist():
             lag = int(target[b] - have[b])
             n = min(int(pieces[b]), lag)
-            self._timed([b], [n], shared=False, complete=n == lag,
-                        feed=lambda: self.layout.feed_row(b, self._lagging(seqs[b], int(have[b]), n)))
+            self._timed([b], [n], False, n == lag, self.layout.feed_row, b, self._lagging(seqs[b], int(have[b]), n))
 
     @staticmethod
     def _lagging(seq: Sequence, have: int, n: int) -> list[int]:
         """The n tokens of `seq` after its first `have` (tail() copies only the span from there on)."""
         return seq.tail(seq.length - have)[:n]
 
-    def _timed(self, rows: list[int], tokens: list[int], shared: bool, complete: bool, feed: Callable[[], object]) -> None:
-        """Run one catch-up forward `feed` and note it (`catch_ups`, the drafter's counters)."""
+    def _timed(self, rows: list[int], tokens: list[int], shared: bool, complete: bool,
+                feed: Callable[..., object], *args: object) -> None:
+        """Run one catch-up forward, `feed(*args)`, and note it (`catch_ups`, the drafter's counters)."""
         start = wall_clock(self.layout.model)
-        feed()
+        feed(*args)
         seconds = wall_clock(self.layout.model) - start
         self.caught_up.append(CatchUp(rows, tokens, shared, complete, seconds))
         self.totals["draft_catch_up_tokens"] += sum(tokens)

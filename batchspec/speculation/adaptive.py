@@ -44,7 +44,7 @@ class RoundSteering:
     confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
     source: torch.Tensor = field(init=False)  # [b, k_max]
     predicted: torch.Tensor = field(init=False)  # [b, k_max] `alpha` as planned, before any draft
-    feed: torch.Tensor = field(init=False)  # [b] tokens of a long catch-up fed without drafting (`pieces`)
+    feed: torch.Tensor = field(init=False)  # [b] tokens of a catch-up fed without drafting (`pieces`)
 
     def __post_init__(self) -> None:
         self.predicted = self.alpha.clone()
@@ -147,8 +147,8 @@ class AdaptiveSpeculation(Speculation):
         return 0 if self.chunk is None else max(-(-lag // self.chunk) - 1, 0)
 
     def within_budget(self, steer: RoundSteering) -> None:
-        """Fit this step's catch-ups into its allowance: the drafting rows' lags, smallest first (a
-        catch-up begun in earlier steps first), as long as they fit; the first that does not is fed
+        """Fit this step's catch-ups into its allowance: the drafting rows' lags, smallest first (so
+        a catch-up begun in earlier steps, with little left, tends to finish first), as long as they fit; the first that does not is fed
         what is left of the allowance as a piece (`RoundSteering.pieces`), and no row whose lag does
         not fit drafts this round. Pieces go to short lags too: with an allowance under
         SHARED_CATCH_UP, a short lag that waited for room to be fed whole would never be."""
