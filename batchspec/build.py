@@ -24,7 +24,7 @@ from .methods import METHODS, layout_for
 from .rows import PooledRows, Rows
 from .scheduler import Scheduler
 from .speculation import Speculation, make_speculation
-from .trace import StepTrace
+from .trace import NullTrace
 
 # (model, rows, K/V slots per row) -> that model's layout
 LayoutFactory = Callable[[torch.nn.Module, int, int], Layout]
@@ -38,7 +38,7 @@ def build_engine(
     drafter: Drafter | None = None,
     costs: Costs | None = None,
     layout: LayoutFactory | None = None,
-    trace: StepTrace | None = None,
+    trace: NullTrace | None = None,
 ) -> Engine:
     """The engine for `spec.method`. `drafter`: one to use instead of the one `spec.drafter` names;
     `costs`: the cost model adaptive speculation decides on (None: measured when first needed);
