@@ -25,6 +25,7 @@ from .methods import METHODS, layout_for
 from .rows import PooledRows, Rows
 from .scheduler import Scheduler
 from .speculation import Speculation, make_speculation
+from .trace import NullTrace
 
 # (model, rows, K/V slots per row) -> that model's layout
 LayoutFactory = Callable[[torch.nn.Module, int, int], Layout]
@@ -38,10 +39,12 @@ def build_engine(
     drafter: Drafter | None = None,
     costs: Costs | None = None,
     layout: LayoutFactory | None = None,
+    trace: NullTrace | None = None,
 ) -> Engine:
     """The engine for `spec.method`. `drafter`: one to use instead of the one `spec.drafter` names;
     `costs`: the cost model adaptive speculation decides on (None: measured when first needed);
-    `layout`: a layout factory replacing the method's (tests and scripts that compare layouts)."""
+    `layout`: a layout factory replacing the method's (tests and scripts that compare layouts);
+    `trace`: where to record every step's pieces of work (`batchspec.trace`)."""
     dtype = next(target.parameters()).dtype
     if dtype in (torch.bfloat16, torch.float16):
         raise half_precision_refusal(str(dtype).removeprefix("torch."))
@@ -54,9 +57,11 @@ def build_engine(
     for model in models:
         layout_for(model, spec.method)  # refuses a method that cannot carry this model's state, now
     stateful = [m for m in models if is_stateful(m)]
-    if stateful and spec.max_prefill_tokens is not None:
+    if stateful and spec.max_prefill_tokens:
         kind = stateful[0].config.get_text_config().model_type
         raise BatchspecError(f"chunked prefill (max_prefill_tokens) is not supported for {kind} (recurrent state) yet")
+    # The default budget applies where chunked prefill is supported; recurrent-state models prefill whole.
+    budget = None if stateful else spec.prefill_budget
     checker = None
     if spec.check_invariants:
         from .forensics.invariants import check_views
@@ -66,8 +71,11 @@ def build_engine(
         def layout(model: torch.nn.Module, rows: int, capacity: int) -> Layout:
             return layout_for(model, spec.method)(model, rows, capacity)
 
-    parts = Parts(target, spec, layout, draft_model=draft_model, drafter=drafter, costs=costs)
-    return method.engine_class()(spec, parts, stop_ids, checker=checker)
+    parts = Parts(target, spec, layout, draft_model=draft_model, drafter=drafter, costs=costs, prefill_budget=budget)
+    engine = method.engine_class()(spec, parts, stop_ids, checker=checker)
+    if trace is not None:
+        engine.trace = trace
+    return engine
 
 
 class Parts:
@@ -82,6 +90,7 @@ class Parts:
         draft_model: torch.nn.Module | None = None,
         drafter: Drafter | None = None,
         costs: Costs | None = None,
+        prefill_budget: int | None = None,
     ) -> None:
         check_supported(target)
         uses_model = spec.speculative and drafter is None and spec.drafter != "ngram"
@@ -96,6 +105,8 @@ class Parts:
         self.custom_drafter = drafter if spec.speculative else None
         self.costs = costs
         self.calibration_s = 0.0  # seconds the last `reserve` spent measuring costs
+        # Tokens a step may feed besides its round (prompt chunks, drafter catch-ups); None: unbounded.
+        self.prefill_budget = prefill_budget
         models = [m for m in (target, self.draft_model) if m is not None]
         self.device = next(target.parameters()).device
         self.limit = min((x for x in map(context_limit, models) if x is not None), default=None)
@@ -132,7 +143,8 @@ class Parts:
             start = time.perf_counter()
             self.costs = measured_costs(self.target, self.draft_model, group, spec.max_drafts)
             self.calibration_s = time.perf_counter() - start
-        return kept, make_speculation(spec.speculation if spec.speculative else "fixed", spec.max_drafts, self.costs)
+        kind = spec.speculation if spec.speculative else "fixed"
+        return kept, make_speculation(kind, spec.max_drafts, self.costs, self.prefill_budget)
 
     def _drafter(self, rows: int, group: int, capacity: int, pooled: bool) -> Drafter:
         """The drafter `spec.drafter` names (or the one given), its rows laid out like the target's."""

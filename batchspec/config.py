@@ -26,6 +26,13 @@ LINEAR_KERNELS = ("auto", "packed", "torch")  # batchspec.kernels: auto = packed
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, batchspec.kernels.apply_quantization
 DRAFT_QUANTIZATIONS = (*QUANTIZATIONS, "auto")  # auto: int4 where its kernel runs (models.draft_quantization)
 GROUP_SIZES = (32, 128)  # int4: inputs sharing one scale and zero
+# Tokens a continuous-scheduler step may prefill (and feed a lagging drafter) besides its round, by
+# default. Every row waits for them: the bundled 1.5B target prefills ~40-100 tokens/s on a 2-core CPU
+# and a decoding step takes 0.1-0.5 s, so 128 tokens stall the rows ~1.3-3 s a step (256: ~2.5-6 s,
+# ten plain steps and more; a whole 1,000-token prompt ~25 s), while a ~1,000-token prompt still
+# enters in ~8 steps. Much smaller chunks would pay each forward's fixed cost (every weight read
+# once, ~0.1-0.4 s) for few tokens and delay a new prompt's first token for little gain.
+DEFAULT_PREFILL_TOKENS = 128
 # The smallest sampling temperature (0 is greedy). Logits are divided by it in the model's dtype: at
 # 1e-38 float32 logits became inf and NaN and decoded EOS or token 0 forever, and a float16 logit of
 # 10 overflows below ~1.5e-4. vLLM raises temperatures below 0.01 to 0.01 for the same reason; a
@@ -154,8 +161,10 @@ class SpecConfig:
     max_kv_slots: int | None = option(None, "K/V budget per model, in token slots (rows x slots per row); fewer rows "
                                       "are admitted at once if needed", type=int)
     max_prefill_tokens: int | None = option(
-        None, "continuous scheduler: prefill at most this many prompt tokens per step (chunked prefill), so a "
-        "long prompt does not stall the rows already decoding (default: whole prompts)", type=int)
+        None, "continuous scheduler: prompt tokens prefilled, and drafter catch-up tokens fed, per step at most "
+        "(chunked prefill), so a long prompt does not stall the rows already decoding; 0: whole prompts in one "
+        f"forward (default: {DEFAULT_PREFILL_TOKENS} with the continuous scheduler where the models allow it, "
+        "whole prompts otherwise and for recurrent-state models)", type=int)
     generator_seed: int | None = option(None, "seed of the engine's generator, which only unseeded sampled requests "
                                         "draw from: makes such runs repeatable", type=int)
     speculation: str | None = option(
@@ -197,9 +206,9 @@ class SpecConfig:
             raise BatchspecError(f"num_draft_tokens must be >= 1 for speculative methods, got {self.num_draft_tokens}")
         if self.batch_size < 1:
             raise BatchspecError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
-            raise BatchspecError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if self.max_prefill_tokens is not None and self.scheduler != "continuous":
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 0:
+            raise BatchspecError(f"max_prefill_tokens must be >= 0 (0: whole prompts), got {self.max_prefill_tokens}")
+        if self.max_prefill_tokens and self.scheduler != "continuous":
             raise BatchspecError("max_prefill_tokens (chunked prefill) needs the continuous scheduler")
         if self.max_kv_slots is not None and self.max_kv_slots < 1:
             raise BatchspecError(f"max_kv_slots must be >= 1, got {self.max_kv_slots}")
@@ -223,6 +232,15 @@ class SpecConfig:
     @property
     def needs_draft_model(self) -> bool:
         return self.speculative and self.drafter != NGRAM
+
+    @property
+    def prefill_budget(self) -> int | None:
+        """Prompt and drafter catch-up tokens a step may feed besides its round (None: unbounded, whole
+        prompts): `max_prefill_tokens`, or by default DEFAULT_PREFILL_TOKENS under the continuous
+        scheduler (the others admit only between batches or fill a pool, and prefill whole prompts)."""
+        if self.max_prefill_tokens is None:
+            return DEFAULT_PREFILL_TOKENS if self.scheduler == "continuous" else None
+        return self.max_prefill_tokens or None
 
     @property
     def max_drafts(self) -> int:

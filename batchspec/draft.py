@@ -13,6 +13,21 @@ import torch
 # forward shared by all rows, longer ones in a forward of each row's own (a prefill, in effect).
 SHARED_CATCH_UP = 32
 
+
+@dataclass(frozen=True)
+class CatchUp:
+    """One forward a drafter ran to catch rows up before drafting (what `Drafter.catch_ups` reports
+    for the step trace and the cost model): `rows` (indices in the round) fed `tokens` each, in one
+    forward `shared` by them or a forward of one row alone; `complete` False for a piece of a long
+    catch-up that later steps continue."""
+
+    rows: list[int]
+    tokens: list[int]
+    shared: bool
+    complete: bool
+    seconds: float
+
+
 # Turns one step of drafter logits [b, vocab] into tokens [b]; `step` is the draft index within the
 # round (0-based), so seeded samplers can key noise by absolute position.
 Picker = Callable[[torch.Tensor, int], torch.Tensor]

@@ -20,13 +20,14 @@ from . import sampling
 from .admission import check_slots, token_ids, validate_prompt
 from .config import BatchspecError, SamplingParams, SpecConfig
 from .costs import Costs
-from .draft import Draft, empty_draft
+from .draft import CatchUp, Draft, empty_draft
 from .layouts import LayoutView
 from .rows import Rows
 from .scheduler import make_scheduler
 from .sequence import Sequence
 from .speculation import RoundPlan, Speculation
 from .stats import EngineStats
+from .trace import NO_TRACE, NullTrace
 
 if TYPE_CHECKING:
     from .build import Parts
@@ -62,6 +63,10 @@ class Engine:
         self.capacity: int | None = None  # K/V slots per row, once reserved
         self.rows: Rows  # once reserved
         self.speculation: Speculation
+        # Prompt and drafter catch-up tokens a step may feed besides its round (None: unbounded, whole prompts).
+        self.budget = parts.prefill_budget
+        self.trace: NullTrace = NO_TRACE  # records what each step ran (`batchspec.trace`; build_engine sets it)
+        self.steps = 0
         self._next_id = 0
 
     @property
@@ -156,16 +161,20 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Admit and prefill what the policy allows, then one round over the rows it selects.
+        """Admit and prefill what the policy allows, then one round over the rows it selects; the
+        step's token budget bounds what prefill and the drafter's catch-ups feed together.
         Returns the sequences that finished during this step."""
         if not self.has_unfinished():
             return []
         if self.capacity is None:
             self.reserve(len(self.waiting), max(self.slots_for(len(s.prompt_ids), s.params) for s in self.waiting))
-        self._prefill()
+        self.trace.begin(self.steps)
+        self.steps += 1
+        fed = self._prefill()
         finished = self._retire()
         if self.running:
-            self._round(self.scheduler.select(self.running, self.stats.rounds))
+            allowance = None if self.budget is None else self.budget - fed
+            self._round(self.scheduler.select(self.running, self.stats.rounds), allowance)
             finished += self._retire()
         self.stats.extra.update({**self.scheduler.counters(), **self.rows.counters()})
         return finished
@@ -173,21 +182,25 @@ class Engine:
     def _free_rows(self) -> int:
         return self.rows.max_rows - len(self.running) - (self.staging is not None)
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> int:
         """Prefill newly admitted requests, each prompt at its own length (target and drafter): whole
-        prompts, or with `max_prefill_tokens` at most that many prompt tokens per step, so one long
-        prompt never stalls the rows already decoding for long."""
+        prompts, or under the step's token budget at most that many prompt tokens per step, so one
+        long prompt never stalls the rows already decoding for long. Returns the prompt tokens fed."""
         start = self.rows.clock()
         fed_before = self.rows.home.prefill_fed
-        if self.spec.max_prefill_tokens is None:
+        if self.budget is None:
             admitted = self.scheduler.take(self.waiting, len(self.running), self._free_rows())
             if admitted:
                 admitted.sort(key=lambda s: len(s.prompt_ids))  # equal lengths adjacent: one forward each
                 self._start(admitted, self.rows.prefill(admitted))
+                self.trace.record("prefill", self.rows.clock() - start, requests=[s.index for s in admitted],
+                                  tokens=[len(s.prompt_ids) for s in admitted], complete=True)
         else:
-            self._prefill_chunks(self.spec.max_prefill_tokens)
-        self.stats.prefill_fed += self.rows.home.prefill_fed - fed_before
+            self._prefill_chunks(self.budget)
+        fed = self.rows.home.prefill_fed - fed_before
+        self.stats.prefill_fed += fed
         self.stats.prefill_time += self.rows.clock() - start
+        return fed
 
     def _prefill_chunks(self, budget: int) -> None:
         while budget > 0:
@@ -197,14 +210,18 @@ class Engine:
                     return
                 self.staging, self.staged = taken[0], 0
             seq = self.staging
+            start = self.rows.clock()
             chunk = seq.prompt_ids[self.staged : self.staged + budget]
             logits = self.rows.stage(chunk)
             self.staged += len(chunk)
             budget -= len(chunk)
-            if self.staged == len(seq.prompt_ids):
+            complete = self.staged == len(seq.prompt_ids)
+            if complete:
                 self.rows.unstage()
                 self.staging, self.staged = None, 0
                 self._start([seq], logits[None])
+            self.trace.record("prefill", self.rows.clock() - start, requests=[seq.index], tokens=[len(chunk)],
+                              complete=complete)
 
     def _start(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Rows whose prompt is in: the target's last prompt logits [b, vocab] give the first token."""
@@ -214,16 +231,17 @@ class Engine:
             self.stats.prefill_tokens += len(s.prompt_ids)
         self.running.extend(seqs)
 
-    def _round(self, group: list[int]) -> None:
+    def _round(self, group: list[int], allowance: int | None) -> None:
         """Draft, verify, accept and commit for rows `group` (indices into `running`).
 
         The speculation policy plans the round (how many drafter steps at most, 0 for a plain decoding
-        step that leaves the drafter out) and settles how many of the proposed drafts each row
-        verifies. The target is fed the longest row's drafts; acceptance caps every row at its own."""
+        step that leaves the drafter out; catch-ups within `allowance` tokens) and settles how many of
+        the proposed drafts each row verifies. The target is fed the longest row's drafts; acceptance
+        caps every row at its own."""
         seqs = [self.running[i] for i in group]
         t0 = self.rows.clock()
         self.rows.load(group, seqs)
-        plan = self._plan(seqs)
+        plan = self._plan(seqs, allowance)
         proposal, draft = self._draft(seqs, plan)
         t1 = self.rows.clock()
         pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=self.rows.device)
@@ -232,17 +250,30 @@ class Engine:
         tokens, count = self._accept(draft, logits, seqs)
         self._commit(group, seqs, tokens, count, proposal, draft)
         t3 = self.rows.clock()
-        catch_up = self.rows.drafter.last_catch_up() if plan.steps > 0 else 0.0  # a deferred prefill, not drafting
+        catch_ups = self.rows.drafter.catch_ups()  # deferred prefills, not drafting
+        catch_up = sum(c.seconds for c in catch_ups)
         self.speculation.observe(seqs, plan, draft, count, (t1 - t0 - catch_up, t2 - t1, t3 - t2))
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         self.stats.other_time += self.rows.clock() - t2
+        self._trace_round(seqs, catch_ups, self.rows.clock() - t0 - catch_up,
+                          drafter_steps=proposal.width, verify_width=draft.width,
+                          verified=draft.row_lengths().tolist(), emitted=count.tolist(),
+                          probe=plan.steer is not None and plan.steer.probe)
 
-    def _plan(self, seqs: list[Sequence]) -> RoundPlan:
+    def _trace_round(self, seqs: list[Sequence], catch_ups: list[CatchUp], seconds: float, **fields: object) -> None:
+        """The round's pieces for the step trace: each catch-up forward, then the round itself."""
+        ids = [s.index for s in seqs]
+        for c in catch_ups:
+            self.trace.record("catch_up", c.seconds, requests=[ids[b] for b in c.rows], tokens=c.tokens,
+                              shared=c.shared, complete=c.complete)
+        self.trace.record("round", seconds, requests=ids, **fields)
+
+    def _plan(self, seqs: list[Sequence], allowance: int | None) -> RoundPlan:
         if self.k == 0:  # plain decoding: nothing to plan
             return RoundPlan(0)
         backlog = self.rows.drafter.backlog(seqs) if self.speculation.weighs_backlog else None
-        return self.speculation.plan(seqs, backlog)
+        return self.speculation.plan(seqs, backlog, allowance)
 
     def _draft(self, seqs: list[Sequence], plan: RoundPlan) -> tuple[Draft, Draft]:
         """What the drafter proposed and what the policy chose to verify of it."""

@@ -19,6 +19,7 @@ from .engine import Engine
 from .models import ModelPair, encode_prompt, eos_token_ids, load_pair
 from .sequence import Sequence
 from .stats import EngineStats
+from .trace import NullTrace
 
 
 @dataclass
@@ -58,7 +59,8 @@ class LLM:
     passes models already loaded (e.g. shared by several LLMs), in which case only `model`'s
     encoding settings apply (and its `draft`: `ngram` drafts by prompt lookup). `costs` is the cost
     model adaptive speculation decides on (measured on first use when not given, then kept for every
-    later call, so what the engines learn about this machine carries over).
+    later call, so what the engines learn about this machine carries over). `trace` records what
+    every engine step ran (`batchspec.trace.StepTrace`; the caller opens and closes it).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class LLM:
         spec: SpecConfig | None = None,
         models: ModelPair | None = None,
         costs: Costs | None = None,
+        trace: NullTrace | None = None,
     ) -> None:
         self.model_config = model or ModelConfig()
         self.spec = resolve_drafter(self.model_config, spec or SpecConfig())
@@ -74,10 +77,11 @@ class LLM:
         self.stop_ids = eos_token_ids(self.models.target, self.models.tokenizer)
         self.stats = EngineStats()
         self.costs = costs
+        self.trace = trace
 
     def make_engine(self) -> Engine:
         return build_engine(self.models.target, self.spec, self.stop_ids, draft_model=self.models.draft,
-                            costs=self.costs)
+                            costs=self.costs, trace=self.trace)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text through the tokenizer (and chat template); token ids as given (the engine checks them)."""

@@ -20,8 +20,8 @@ from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecCo
 from batchspec.models import load_pair
 
 METHODS = [
-    "ar@1", "ar@2", "eqspec@2", "ragged+fixed@2", "ragged+chunk3+fixed@2", "ragged+static+fixed@2", "exspec@2", "hf@2",
-    "hf-assisted@1", "naive-kv@2",
+    "ar@1", "ar@2", "eqspec@2", "ragged+fixed@2", "ragged+chunk3+fixed@2", "ragged+chunk0+fixed@2", "ragged+static+fixed@2",
+    "exspec@2", "hf@2", "hf-assisted@1", "naive-kv@2",
 ]
 
 
@@ -39,12 +39,15 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
     target, draft = tiny_pair_dirs
     prompts = _prompts_file(tmp_path / "prompts.jsonl")
     report_path, csv_path, plots = tmp_path / "report.json", tmp_path / "report.csv", tmp_path / "plots"
+    trace_path = tmp_path / "trace.jsonl"
     assert main([
         "bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
-        "--methods", ",".join(m for m in METHODS if "chunk" not in m), "--prefill-chunks", "0,3",
-        "--max-new-tokens", "8", "-k", "3",
+        "--methods", ",".join(METHODS), "--max-new-tokens", "8", "-k", "3", "--trace", str(trace_path),
         "--json", str(report_path), "--csv", str(csv_path), "--plots", str(plots),
     ]) == 0
+    traced = [json.loads(line) for line in trace_path.read_text().splitlines()]
+    assert {r["method"] for r in traced} == {m for m in METHODS if not m.startswith("hf")}  # engines only
+    assert all(r["piece"] in ("prefill", "catch_up", "round") and r["s"] >= 0 and r["repeat"] == 0 for r in traced)
     stdout = capsys.readouterr().out
     report = json.loads(report_path.read_text())
     assert {"cpu", "cores", "torch", "transformers", "dtype", "device"} <= report["machine"].keys()
@@ -70,7 +73,8 @@ def test_bench_end_to_end(tiny_pair_dirs, tmp_path, capsys) -> None:
     pooled = by_name["exspec@2"]
     assert pooled["grouped_rounds"] + pooled["fallback_rounds"] > 0 and 0 <= pooled["grouping_rate"] <= 1
     assert "EXSPEC grouping" in stdout
-    for name in ("ar@1", "ar@2", "eqspec@2", "ragged+fixed@2", "ragged+chunk3+fixed@2", "ragged+static+fixed@2", "exspec@2"):
+    for name in ("ar@1", "ar@2", "eqspec@2", "ragged+fixed@2", "ragged+chunk3+fixed@2", "ragged+chunk0+fixed@2",
+                 "ragged+static+fixed@2", "exspec@2"):
         assert by_name[name]["exact_match"] == 1.0, (name, by_name[name]["divergences"])
         assert by_name[name]["divergent"] == by_name[name]["sync_errors"] == 0
     # the deliberately wrong method: fast maybe, but the audit calls its divergences what they are

@@ -39,6 +39,22 @@ def test_generate_writes_every_prompt_and_verifies(tmp_path, tiny_pair_dirs, cap
     assert summary["speculation"] == {"policy": policy, "max_drafts": 5, "drafter": "model"}
 
 
+def test_generate_writes_a_step_trace(tmp_path, tiny_pair_dirs, capsys):
+    """--trace: one JSON line per piece of every step (prefill chunks under the continuous scheduler's
+    default budget, rounds), with the request ids of the prompts decoded; refused with --ray."""
+    target, draft = tiny_pair_dirs
+    trace = tmp_path / "trace.jsonl"
+    code = main(["generate", "--prompts", str(mixed_prompts_file(tmp_path)), "--target", str(target), "--draft", str(draft),
+                 "--batch-size", "2", "--max-new-tokens", "8", "--trace", str(trace), "--verify"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["exact_match"] == "3/3"
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {r["piece"] for r in records} >= {"prefill", "round"}
+    assert sorted({r["step"] for r in records}) == list(range(max(r["step"] for r in records) + 1))
+    assert {i for r in records if r["piece"] == "prefill" for i in r["requests"]} == {0, 1, 2}  # the three decodable prompts
+    args = ["generate", "--prompts", str(mixed_prompts_file(tmp_path)), "--target", str(target), "--trace", str(trace)]
+    assert main(args + ["--ray"]) == 2 and "--trace records the engine of this process" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

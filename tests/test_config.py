@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from batchspec.config import BatchspecError, SamplingParams, SpecConfig
+from batchspec.config import DEFAULT_PREFILL_TOKENS, BatchspecError, SamplingParams, SpecConfig
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_integer_and_real_types_other_than_int_and_float_are_accepted() -> None:
         (dict(method="medusa"), "unknown method"),
         (dict(method="eqspec", scheduler="continuous"), "continuous batching needs per-row cursors"),
         (dict(method="ragged", scheduler="pool"), "method ragged supports the continuous and static schedulers"),
-        (dict(max_prefill_tokens=0), "max_prefill_tokens must be >= 1"),
+        (dict(max_prefill_tokens=-1), "max_prefill_tokens must be >= 0"),
         (dict(method="eqspec", max_prefill_tokens=4), "max_prefill_tokens .chunked prefill. needs the continuous"),
         (dict(generator_seed="1"), "generator_seed must be an integer or None"),
         (dict(method="exspec", batch_size=4, window_size=2), r"window_size \(2\) must be >= batch_size \(4\)"),
@@ -78,6 +78,18 @@ def test_integer_and_real_types_other_than_int_and_float_are_accepted() -> None:
 def test_bad_spec_is_one_clear_error(kwargs, message):
     with pytest.raises(BatchspecError, match=message):
         SpecConfig(**kwargs)
+
+
+def test_chunked_prefill_is_the_continuous_schedulers_default():
+    """The continuous scheduler bounds each step's prefill by default, 0 turns it off; the static and
+    pool schedulers prefill whole prompts without being refused for the default (or for 0)."""
+    assert SpecConfig(method="ragged").prefill_budget == DEFAULT_PREFILL_TOKENS
+    assert SpecConfig(method="ar", scheduler="continuous").prefill_budget == DEFAULT_PREFILL_TOKENS
+    assert SpecConfig(method="ragged", max_prefill_tokens=0).prefill_budget is None
+    assert SpecConfig(method="ragged", max_prefill_tokens=7).prefill_budget == 7
+    for spec in (SpecConfig(method="ar"), SpecConfig(method="exspec"), SpecConfig(method="ragged", scheduler="static"),
+                 SpecConfig(method="eqspec", max_prefill_tokens=0)):
+        assert spec.prefill_budget is None, spec
 
 
 def test_bad_sampling_params_are_clear_errors():

@@ -19,7 +19,7 @@ from tinyworld import (
     tiny_model,
 )
 
-from batchspec.config import BatchspecError, SamplingParams, SpecConfig
+from batchspec.config import DEFAULT_PREFILL_TOKENS, BatchspecError, SamplingParams, SpecConfig
 from batchspec.forensics.invariants import InvariantError
 from batchspec.kv import context_limit
 from batchspec.layouts import Layout, PaddedLayout, RaggedLayout
@@ -74,7 +74,7 @@ def test_oracle_matches_transformers_generate():
     rows=st.lists(st.tuples(one_or_up_to(24), one_or_up_to(24)), min_size=1, max_size=10),
     seed=st.integers(0, 10_000),
     use_stop=st.booleans(),
-    chunk=st.sampled_from([None, 1, 3, 16, 100]),
+    chunk=st.sampled_from([None, 0, 1, 3, 16, 100]),
 )
 # issue 8: a lone 1-token prompt (exspec's drafter rectangle had width 0), and a longer row finishing
 # at its first token, leaving only 1-token rows (eqspec's drafter realigned to width 0)
@@ -363,7 +363,7 @@ def run_to_end(engine) -> dict[int, list[int]]:
     return done
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("chunk", [None, 0, 5])
 def test_requests_added_between_steps_decode_exactly(chunk):
     arch = "qwen2"
     spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=3, max_prefill_tokens=chunk)
@@ -471,7 +471,7 @@ def repetitive_prompts(count: int, seed: int) -> list[list[int]]:
     k=st.integers(1, 6),
     budgets=st.lists(one_or_up_to(24), min_size=1, max_size=8),
     seed=st.integers(0, 10_000),
-    chunk=st.sampled_from([None, 2, 16]),
+    chunk=st.sampled_from([None, 0, 2, 16]),
 )
 def test_adaptive_and_lookup_drafting_match_oracle(arch, method, continuous, drafter_kind, adaptive, costs, batch_size,
                                                    k, budgets, seed, chunk):
@@ -550,15 +550,19 @@ def test_rounds_without_drafts_then_speculative_rounds(method, scheduler):
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
 @pytest.mark.parametrize("catch_up", ["free", "dear"])
-def test_lazy_drafter_prefills_a_prompt_only_once_drafting_for_it_pays(arch, catch_up, monkeypatch):
+@pytest.mark.parametrize("prefill", ["whole", "default"])
+def test_lazy_drafter_prefills_a_prompt_only_once_drafting_for_it_pays(arch, catch_up, prefill, monkeypatch):
     """Under adaptive speculation the drafter prefills nothing at admission. Each row's prompt is fed
     to it (a forward of that row alone) the first time drafting for the row is worth that cost; until
     then the row is left out of speculative rounds (fed along, its drafter cursor set back) and
-    decodes plainly. Rows in and out of drafting in one round, all exact, K/V checked every round."""
+    decodes plainly. Rows in and out of drafting in one round, all exact, K/V checked every round.
+    Under the default step budget a catch-up sharing its step with a prompt's prefill chunk is fed
+    in pieces (what the chunk left of the budget, then the rest); whole prompts: one forward each."""
     prompts = random_prompts(5, [60, 4, 45, 7, 90], seed=31)
     budgets = [6, 20, 5, 20, 7]
     costs = ScriptedCosts(1.0, 0.01, 0.01, draft_token=0.0 if catch_up == "free" else 0.03)
-    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, speculation="adaptive", check_invariants=True)
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=3, speculation="adaptive", check_invariants=True,
+                      max_prefill_tokens=0 if prefill == "whole" else None)
     engine = build_engine(target(arch), spec, draft_model=drafter(arch), costs=costs)
     engine.reserve(rows=3, capacity=128)
     fed_alone: list[int] = []
@@ -582,7 +586,11 @@ def test_lazy_drafter_prefills_a_prompt_only_once_drafting_for_it_pays(arch, cat
     caught_up = engine.stats.extra["draft_catch_up_tokens"]
     if catch_up == "free":
         assert all(any(s.chosen_k) for s in long_rows)
-        assert sorted(fed_alone) == sorted(len(s.prompt_ids) - 1 for s in long_rows)  # once each, whole prompt
+        if prefill == "whole":
+            assert sorted(fed_alone) == sorted(len(s.prompt_ids) - 1 for s in long_rows)  # once each, whole prompt
+        else:  # in pieces within the budget, never more than the prompts (a short rest goes in the shared forward)
+            assert max(fed_alone) <= DEFAULT_PREFILL_TOKENS
+            assert sum(fed_alone) <= sum(len(s.prompt_ids) - 1 for s in long_rows)
         assert caught_up >= sum(fed_alone)
     else:
         assert not any(any(s.chosen_k) for s in long_rows) and fed_alone == []

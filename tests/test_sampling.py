@@ -79,6 +79,16 @@ class AdversarialDrafter(Drafter):
     def drop(self, keep: list[bool]) -> list[int]:
         return self.inner.drop(keep)
 
+    # the continuous scheduler prefills in chunks by default: its rows arrive through these
+    def stage(self, tokens: list[int]) -> None:
+        self.inner.stage(tokens)
+
+    def unstage(self) -> None:
+        self.inner.unstage()
+
+    def discard_staged(self) -> None:
+        self.inner.discard_staged()
+
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         draft = self.inner.propose(seqs, k, lambda logits, step: logits.argmin(dim=-1))
         return Draft(draft.tokens, None)

@@ -457,3 +457,32 @@ def test_unseeded_rows_keep_the_targets_distribution_on_a_step_shaped_cost_table
     assert sum(w > 0 for w in widths) > 300  # the policy did speculate
     old_pairs, _ = sampled_pairs(3000, seed=2, old_rule=True)
     assert min(_p_values(old_pairs)) < 1e-6
+
+
+def test_catch_ups_fit_the_steps_allowance_in_pieces():
+    """Under a per-step token budget a catch-up is priced as the forwards of its pieces and pays back
+    only over the tokens a row has left after the steps it spends being caught up; a round fits its
+    drafting rows' lags into the step's allowance smallest first, the first that does not fit is fed
+    the rest as a piece, and no row whose lag does not fit drafts this round."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.02, draft_step=0.05, draft_token=0.002)
+    chunked = AdaptiveSpeculation(K, costs, chunk=100)
+    assert chunked.catch_up_cost(250) == pytest.approx(2 * costs.draft_time(1, 100) + costs.draft_time(1, 50))
+    assert chunked.catch_up_cost(80) == AdaptiveSpeculation(K, costs).catch_up_cost(80) == costs.draft_time(1, 80)
+    assert [chunked.catch_up_delay(n) for n in (0, 100, 101, 250)] == [0, 0, 1, 2]
+    seqs = rows(4, budget=40)
+    teach(chunked, seqs, accepted=4)
+    steer = chunked.plan(seqs, [0, 10, 60, 50], allowance=70).steer
+    assert steer.proceed(0)
+    assert steer.drafting().tolist() == [True, True, False, True]
+    assert steer.pieces().tolist() == [0, 0, 10, 0]
+    steer = chunked.plan(seqs, [0, 10, 60, 50]).steer  # no allowance given: unbounded, everyone whole
+    assert steer.proceed(0) and steer.drafting().all() and not steer.pieces().any()
+
+    def joins(policy: AdaptiveSpeculation, backlog: int) -> bool:
+        seqs = rows(1, budget=40)
+        teach(policy, seqs, accepted=4)
+        steer = policy.plan(seqs, [backlog], allowance=policy.chunk).steer
+        return steer.proceed(0) and bool(steer.drafting()[0] or steer.pieces()[0])
+
+    # 300 tokens at 10 a step: 30 steps of plain decoding before the row drafts, 10 of its 40 tokens left
+    assert joins(AdaptiveSpeculation(K, costs), 300) and not joins(AdaptiveSpeculation(K, costs, chunk=10), 300)

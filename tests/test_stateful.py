@@ -25,7 +25,7 @@ from tinyworld import (
 from transformers import AutoModelForCausalLM, DynamicCache, JambaConfig, MambaConfig, MiniMaxConfig, NemotronHConfig
 
 from batchspec.cli import main
-from batchspec.config import BatchspecError, SamplingParams, SpecConfig
+from batchspec.config import DEFAULT_PREFILL_TOKENS, BatchspecError, SamplingParams, SpecConfig
 from batchspec.forensics.audit import Auditor
 from batchspec.forensics.audit_inputs import AuditItem
 from batchspec.forensics.compare import SYNC_ERROR
@@ -186,6 +186,21 @@ def test_reused_rows_start_clean(arch):
     outputs = build_engine(target(arch), spec, draft_model=drafter(arch, "stateful")).generate(prompts, params)
     assert [s.index for s in outputs] == list(range(len(prompts)))
     assert_exact(arch, prompts, outputs, params)
+
+
+def test_default_chunked_prefill_falls_back_to_whole_prompts_for_recurrent_state():
+    """The continuous scheduler's default budget applies only where chunked prefill is supported: a
+    recurrent-state model prefills whole prompts under it (exact), and asking for chunks is refused."""
+    arch = "mamba2"
+    spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=2, scheduler="continuous")
+    assert spec.prefill_budget == DEFAULT_PREFILL_TOKENS
+    engine = build_engine(target(arch), spec, draft_model=drafter(arch, "stateful"))
+    assert engine.budget is None
+    prompts = random_prompts(3, [40, 3, 25], seed=5)
+    params = [SamplingParams(max_new_tokens=6)] * 3
+    assert_exact(arch, prompts, engine.generate(prompts, params), params)
+    with pytest.raises(BatchspecError, match="not supported for .* .recurrent state"):
+        build_engine(target(arch), SpecConfig(method="ragged", max_prefill_tokens=8), draft_model=drafter(arch, "stateful"))
 
 
 # ---- the deliberately wrong method and the checker ------------------------------------------------

@@ -233,7 +233,7 @@ class ScheduledSpeculation(Speculation):
         self.seqs: list[Sequence] = []
         self.steps = 0
 
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None) -> RoundPlan:
         steps = self.schedule[self.round % len(self.schedule)]
         self.round += 1
         self.seqs = seqs

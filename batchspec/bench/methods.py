@@ -4,7 +4,8 @@
 
 options, in any order, each kind at most once:
     static | continuous | pool    the scheduler (default: the method's own)
-    chunkN                        chunked prefill, N prompt tokens a step (continuous scheduler)
+    chunkN                        N prompt tokens a step (continuous scheduler; chunk0: whole prompts;
+                                  default: the engine's, config.DEFAULT_PREFILL_TOKENS)
     kN                            at most N drafts per row and round (default: --num-draft-tokens)
     fixed | adaptive              the speculation policy (default: the method's own, as in `generate`)
     model | ngram | hybrid        the drafter (default: model)
@@ -30,7 +31,7 @@ SYNTAX_HELP = (
     "comma-separated method[+option...][@batch]. Methods: ar, eqspec, ragged, exspec, hf (transformers generate, "
     "batched greedy), hf-assisted (generate with the drafter, batch 1 only), and the deliberately wrong naive-kv, "
     "naive-positions, naive-bonus. Options, any order: a scheduler (static, continuous, pool), chunkN (chunked "
-    "prefill of N tokens), kN (at most N drafts per row and round; default --num-draft-tokens), fixed or adaptive "
+    "prefill of N tokens a step; chunk0: whole prompts), kN (at most N drafts per row and round; default --num-draft-tokens), fixed or adaptive "
     "(speculation policy; default the method's own: adaptive for ragged, fixed for eqspec and exspec), model, "
     "ngram or hybrid (drafter; default model). E.g. ar@1,ragged+k1+fixed@1,ragged+k3+fixed@1,ragged+fixed@1,"
     "ragged@1,ragged+ngram@1,ragged+hybrid@1,eqspec@4,hf@4,hf-assisted@1. Without @batch a method runs at every "
@@ -48,7 +49,7 @@ class MethodSpec:
     method: str
     batch_size: int
     scheduler: str | None = None
-    prefill_chunk: int | None = None  # continuous scheduler: max_prefill_tokens (None: whole prompts)
+    prefill_chunk: int | None = None  # continuous scheduler: max_prefill_tokens (None: the default; 0: whole prompts)
     num_draft_tokens: int | None = None
     speculation: str | None = None
     drafter: str = "model"
@@ -133,8 +134,8 @@ def _options(item: str, method: str, words: list[str]) -> dict:
     if "prefill_chunk" in chosen:
         if (scheduler or METHODS[method].default_scheduler) != "continuous":
             raise BatchspecError(f"chunked prefill needs the continuous scheduler ({item!r})")
-        if chosen["prefill_chunk"] < 1:
-            raise BatchspecError(f"chunkN needs N >= 1 ({item!r})")
+        if chosen["prefill_chunk"] < 0:
+            raise BatchspecError(f"chunkN needs N >= 0 ({item!r})")
     if chosen.get("num_draft_tokens") == 0:
         raise BatchspecError(f"kN needs N >= 1 ({item!r})")
     return chosen
@@ -164,8 +165,8 @@ def _parse_one(item: str, batch_sizes: list[int]) -> list[MethodSpec]:
 def parse_methods(text: str, batch_sizes: list[int], prefill_chunks: list[int | None] | None = None) -> list[MethodSpec]:
     """Specs in the order given, duplicates dropped; `ar@1` is added first when missing because
     every speedup is measured against it. Methods on the continuous scheduler without their own
-    chunkN run once per entry of `prefill_chunks` (None: whole prompts; N: chunked prefill of N
-    tokens a step)."""
+    chunkN run once per entry of `prefill_chunks` (None: the engine's default; 0: whole prompts; N:
+    chunked prefill of N tokens a step)."""
     specs: list[MethodSpec] = []
     for item in (part.strip() for part in text.split(",")):
         if item:
@@ -193,9 +194,10 @@ def _int_list(text: str, option: str, minimum: int) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def parse_prefill_chunks(text: str) -> list[int | None]:
-    """`--prefill-chunks`: token counts, 0 meaning whole prompts (no chunking)."""
-    return list(dict.fromkeys(c or None for c in _int_list(text, "--prefill-chunks", 0)))
+def parse_prefill_chunks(text: str | None) -> list[int | None]:
+    """`--prefill-chunks`: token counts, 0 meaning whole prompts (no chunking); not given: the
+    engine's default only."""
+    return [None] if text is None else _int_list(text, "--prefill-chunks", 0)
 
 
 def parse_batch_sizes(text: str) -> list[int]:

@@ -25,6 +25,7 @@ from ..kv import forward_all_positions
 from ..layouts.base import left_padded
 from ..llm import LLM
 from ..models import ModelPair
+from ..trace import StepTrace
 from .exactness import Classifier, Match, compare
 from .methods import HF_ASSISTED, MethodSpec
 from .specbench import BenchPrompt
@@ -112,13 +113,15 @@ def warm_up(models: ModelPair, prompt: Sequence[int]) -> None:
 
 # ---- our engine -------------------------------------------------------------------------------
 def run_engine(
-    models: ModelPair, spec: MethodSpec, prompts: list[BenchPrompt], template: SpecConfig, desc: str
+    models: ModelPair, spec: MethodSpec, prompts: list[BenchPrompt], template: SpecConfig, desc: str,
+    trace: StepTrace | None = None,
 ) -> tuple[list[RowResult], Timing]:
-    """`template` carries what every method shares (K, window, budgets); `spec` what this one is."""
+    """`template` carries what every method shares (K, window, budgets); `spec` what this one is;
+    `trace` records every step's pieces of work."""
     config = replace(template, method=spec.method, batch_size=spec.batch_size, scheduler=spec.scheduler,
                      max_prefill_tokens=spec.prefill_chunk, speculation=spec.speculation, drafter=spec.drafter,
                      num_draft_tokens=spec.num_draft_tokens or template.num_draft_tokens)
-    llm = LLM(spec=config, models=models)  # prompts arrive encoded
+    llm = LLM(spec=config, models=models, trace=trace)  # prompts arrive encoded
     rows: dict[int, RowResult] = {}
     with _bar(len(prompts), desc) as bar:
         start = time.perf_counter()
@@ -298,10 +301,12 @@ def run_method(
     stop_ids: Sequence[int],
     oracle: Oracle,
     classify: Classifier,
+    trace: StepTrace | None = None,
 ) -> MethodResult:
     """Run `spec` over each part (all prompts, or one task group at a time) and compare every
     row of those parts with the oracle. Any failure becomes the method's error row: one method that
-    cannot run (e.g. one still being built) must not cost the figures of the others."""
+    cannot run (e.g. one still being built) must not cost the figures of the others. `trace`: every
+    engine step's pieces, each record naming the method and part."""
     result = MethodResult(spec)
     rows: dict[int, RowResult] = {}
     try:
@@ -311,7 +316,9 @@ def run_method(
             if spec.is_baseline:
                 part_rows, timing = run_hf(models, spec, chosen, template, stop_ids, desc)
             else:
-                part_rows, timing = run_engine(models, spec, chosen, template, desc)
+                if trace is not None:
+                    trace.context.update(method=spec.name, part=label)
+                part_rows, timing = run_engine(models, spec, chosen, template, desc, trace)
             rows.update(zip(indices, part_rows))
             result.timings[label] = timing
     except Exception as err:  # noqa: BLE001 - reported as this method's error row

@@ -8,6 +8,7 @@ greedy decoding, per method and per task group; optionally JSON, CSV and PNG plo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import sys
@@ -36,11 +37,13 @@ from ..kernels import linear_kernel, main_kernel
 from ..kv import context_limit
 from ..methods import METHODS
 from ..models import ModelPair, draft_dtype, eos_token_ids, weights_report
+from ..trace import StepTrace
 from .common import (
     add_config_arguments,
     add_model_arguments,
     add_prompt_format_argument,
     add_sampling_arguments,
+    check_writable,
     config_from_args,
     load_models,
     model_config,
@@ -68,9 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=1, help="run every method this many times, task group by task group "
                    "with every method in turn, in alternating order (forward, backward, ...), and report each "
                    "method's fastest run per task group: noise on a shared machine only adds time (default 1)")
-    g.add_argument("--prefill-chunks", default="0", help="comma-separated max prefill tokens per step for methods on "
+    g.add_argument("--prefill-chunks", help="comma-separated max prefill tokens per step for methods on "
                    "the continuous scheduler, each run once per value (0 = whole prompts); e.g. 0,64 compares "
-                   "chunked prefill with none in one run")
+                   "chunked prefill with none in one run (default: the engine's default budget only)")
     # what every method shares; method, batch size and scheduler come from --methods
     add_config_arguments(p, SpecConfig, "speculation (all methods)", only=SHARED_SPEC_FIELDS)
     add_sampling_arguments(p)
@@ -81,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cached one (run on a quiet machine: adaptive speculation decides on it)")
     g = p.add_argument_group("output")
     g.add_argument("--json", help="write every figure and the machine description here")
+    g.add_argument("--trace", help="write one JSON line per piece of every engine step here (prefill chunks, drafter "
+                   "catch-ups, rounds, with wall times; records name method, part and repeat; docs/cli.md)")
     g.add_argument("--csv", help="write one line per method (and per method and task group) here")
     g.add_argument("--plots", help="write PNG plots into this folder")
     add_model_arguments(p)
@@ -156,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     for quantization in formats:
         print(f"\n=== --quantization {quantization} ===", flush=True)
-        outputs = {name: _suffixed(getattr(args, name), quantization) for name in ("json", "csv", "plots")}
+        outputs = {name: _suffixed(getattr(args, name), quantization) for name in ("json", "csv", "plots", "trace")}
         status = max(status, _run_one(argparse.Namespace(**{**vars(args), "quantization": quantization, **outputs})))
     return status
 
@@ -165,6 +170,8 @@ def _run_one(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise BatchspecError(f"--repeats must be >= 1, got {args.repeats}")
     specs = parse_methods(args.methods, parse_batch_sizes(args.batch_sizes), parse_prefill_chunks(args.prefill_chunks))
+    if args.trace:
+        check_writable(args.trace, "--trace")
     if args.temperature > 0 and args.seed is None:
         raise BatchspecError("bench checks every output against plain decoding: with --temperature > 0 give --seed "
                              "(for rejection-sampling acceptance, use `batchspec generate`)")
@@ -203,10 +210,15 @@ def _run_one(args: argparse.Namespace) -> int:
     # Part by part (a task group, or all prompts), every method in turn, in alternating order: the
     # machine's speed drifts over minutes, so the runs compared with each other are run close together
     # and no method always runs when the machine is slowest.
-    for repeat in range(args.repeats):
-        for label, indices in parts.items():
-            for s in specs if repeat % 2 == 0 else specs[::-1]:
-                runs[s].append(run_method(models, s, prompts, {label: indices}, template, stop_ids, oracle, classify))
+    with contextlib.ExitStack() as stack:
+        trace = stack.enter_context(StepTrace(args.trace)) if args.trace else None
+        for repeat in range(args.repeats):
+            for label, indices in parts.items():
+                for s in specs if repeat % 2 == 0 else specs[::-1]:
+                    if trace is not None:
+                        trace.context["repeat"] = repeat
+                    runs[s].append(run_method(models, s, prompts, {label: indices}, template, stop_ids, oracle,
+                                              classify, trace))
     results = [fastest_of(runs[s], parts) for s in specs]
     paired = paired_speedups(runs, list(parts), args.repeats) if args.repeats > 1 else []
 

@@ -18,7 +18,9 @@ from ..models import weights_report
 from ..prompts import PromptRecord, load_prompts
 from ..reference import reference_decode
 from ..stats import EngineStats
+from ..trace import NullTrace, StepTrace
 from .common import (
+    check_writable,
     add_decoding_arguments,
     add_model_arguments,
     add_prompt_format_argument,
@@ -47,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "instead of trying those prompts again")
     p.add_argument("--limit", type=positive_int, help="only the first N prompts")
     p.add_argument("--verify", action="store_true", help="also decode each prompt alone, plainly, and count exact matches")
+    p.add_argument("--trace", help="write one JSON line per piece of every engine step here: prefill chunks, drafter "
+                   "catch-ups, rounds, with their wall times (where a row waited, and why; fields in docs/cli.md)")
     add_model_arguments(p)
     add_decoding_arguments(p)
     add_sampling_arguments(p)
@@ -90,12 +94,16 @@ def run(args: argparse.Namespace) -> int:
     if args.ray and args.verify:
         raise BatchspecError("--verify decodes every prompt again on this machine; with --ray, run "
                              "`batchspec audit` on the output instead")
+    if args.ray and args.trace:
+        raise BatchspecError("--trace records the engine of this process; with --ray the engines run in the workers")
+    if args.trace:
+        check_writable(args.trace, "--trace", [args.prompts])
     # the output is opened (path checked, lock taken) before any decoding, so a bad path costs nothing
     opened = ResumableOutput(args.output, args.resume, {"--prompts": args.prompts}) if args.output else None
-    with opened or contextlib.nullcontext() as output:
+    with opened or contextlib.nullcontext() as output, StepTrace(args.trace) if args.trace else NullTrace() as trace:
         previous = output.kept(records, args.keep_errors) if output else {}
         todo = [i for i, r in enumerate(records) if r.id not in previous]
-        decoded = _decode(args, spec, records, params, todo, output)
+        decoded = _decode(args, spec, records, params, todo, output, trace)
         rows = [_row(r, decoded.outputs[i]) if i in decoded.outputs else previous[r.id] for i, r in enumerate(records)]
         if output:
             output.finish(rows)
@@ -155,8 +163,10 @@ def _decode(
     params: list[SamplingParams],
     todo: list[int],
     output: ResumableOutput | None,
+    trace: NullTrace,
 ) -> _Run:
-    """Decode the prompts at input indices `todo`, handing each record to `output` as it finishes."""
+    """Decode the prompts at input indices `todo`, handing each record to `output` as it finishes;
+    `trace` records every engine step."""
     decoded = _Run()
 
     def finished(out: RequestOutput) -> None:
@@ -174,6 +184,7 @@ def _decode(
         decoded.llm = make_ray_llm(args, spec)
     else:
         decoded.llm = make_llm(args, load_models(args, need_draft=spec.needs_draft_model), spec)
+        decoded.llm.trace = trace
     start = time.perf_counter()
     with tqdm(total=len(readable), desc=f"{spec.method} b{spec.batch_size}", unit="prompt", file=sys.stderr) as bar:
         # text in: the LLM encodes it (chat template, control tokens) and refuses what it cannot serve

@@ -7,11 +7,11 @@ from typing import Protocol
 
 import torch
 
-from ..draft import SHARED_CATCH_UP, Draft, Picker, empty_draft, pick_argmax
+from ..draft import SHARED_CATCH_UP, CatchUp, Draft, Picker, empty_draft, pick_argmax
 from ..layouts.base import LayoutView, swap_remove_order
 from ..sequence import Sequence
 
-__all__ = ["SHARED_CATCH_UP", "Draft", "Drafter", "NoDrafter", "Picker", "Steering", "empty_draft", "pick_argmax"]
+__all__ = ["SHARED_CATCH_UP", "CatchUp", "Draft", "Drafter", "NoDrafter", "Picker", "Steering", "empty_draft", "pick_argmax"]
 
 class Steering(Protocol):
     """Decides, while a drafter drafts, whether another drafting step is worth its cost.
@@ -27,6 +27,12 @@ class Steering(Protocol):
     def drafting(self) -> torch.Tensor:
         """Bool [b]: the rows to draft for this round, once `proceed(0)` said to draft at all (a row
         left out is not caught up, and its drafts are not proposed)."""
+        ...
+
+    def pieces(self) -> torch.Tensor:
+        """Long [b], read once `proceed(0)` has answered, whatever it answered: tokens of a catch-up
+        to feed row b alone this step although it does not draft (what is left of the step's token
+        budget cannot hold the whole catch-up, so later steps continue it); 0 for every other row."""
         ...
 
     def observed(self, step: int, logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None) -> None: ...
@@ -69,10 +75,11 @@ class Drafter(ABC):
         committed, a prompt it has not prefilled yet): the speculation policy weighs that cost."""
         return [0] * len(seqs)
 
-    def last_catch_up(self) -> float:
-        """Seconds the last `propose` spent catching rows up rather than drafting (a deferred
-        prefill): not a drafting step's cost, so the cost model does not learn from it."""
-        return 0.0
+    def catch_ups(self) -> list[CatchUp]:
+        """The forwards the last `propose` (or `skip`) ran catching rows up rather than drafting (a
+        deferred prefill): not a drafting step's cost, so the cost model does not learn from them,
+        and pieces of their own in the step trace."""
+        return []
 
     def skip(self, seqs: list[Sequence]) -> None:
         """The round runs without drafts: forget anything fed beyond the committed tokens, since the

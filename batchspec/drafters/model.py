@@ -19,9 +19,16 @@ row holds nothing, and its prompt is its lag, caught up the first time the polic
 worth that cost (`backlog` tells the policy what each row would cost). A row the policy leaves out of a
 round (`Steering.drafting`) is not caught up; it is fed along with the others (the forward is
 rectangular) and its cursor is set back afterwards, so its cache keeps only what is valid.
+
+Under a per-step token budget (chunked prefill) the policy may start a catch-up that what is left of
+the step's budget cannot hold (`Steering.pieces`): the row is fed that many tokens of its lag, alone,
+and does not draft this round. Its cursor then stands at what it validly holds, so the next step's lag (`backlog`) is
+what remains, and it drafts once a step can finish its catch-up.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +36,7 @@ from ..costs import wall_clock
 from ..layouts import Layout, LayoutView, RaggedLayout
 from ..layouts.base import FILLER_TOKEN
 from ..sequence import Sequence
-from .base import SHARED_CATCH_UP, Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
+from .base import SHARED_CATCH_UP, CatchUp, Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
 
 
 class ModelDrafter(Drafter):
@@ -44,7 +51,7 @@ class ModelDrafter(Drafter):
         if lazy and not self.rowwise:
             raise ValueError("a lazy drafter prefill needs per-row cursors (the ragged layout, unpooled)")
         self.lazy = lazy
-        self.caught_up_s = 0.0  # spent catching rows up during the last `draft`
+        self.caught_up: list[CatchUp] = []  # the catch-up forwards of the last `draft`
         self.totals = {"draft_catch_up_tokens": 0.0, "draft_catch_up_time": 0.0}
 
     @property
@@ -65,8 +72,8 @@ class ModelDrafter(Drafter):
         have, target = self._span(seqs)
         return (target - have).tolist()
 
-    def last_catch_up(self) -> float:
-        return self.caught_up_s
+    def catch_ups(self) -> list[CatchUp]:
+        return self.caught_up
 
     def propose(self, seqs: list[Sequence], k: int, pick: Picker = pick_argmax) -> Draft:
         return self.draft(seqs, k, pick)
@@ -85,9 +92,12 @@ class ModelDrafter(Drafter):
         """Up to k drafts per row (fewer if `steer` stops it). `forced` = (tokens [b, k], lengths [b])
         replaces row b's first lengths[b] picks by those tokens, which are then what it feeds (a hybrid
         drafter's n-gram proposals): its cache always holds exactly the drafts it proposed."""
-        self.caught_up_s = 0.0
-        if steer is not None and not steer.proceed(0):
-            self.skip(seqs)
+        self.caught_up = []
+        go = steer is None or steer.proceed(0)
+        if steer is not None and self.rowwise:
+            self._feed_pieces(seqs, steer.pieces())
+        if not go:
+            self.layout.commit(self._committed(seqs))
             return empty_draft(len(seqs), self.layout.device)
         joined = steer.drafting() if steer is not None and self.rowwise else None
         have, feed = self._catch_up(seqs, joined)
@@ -133,7 +143,6 @@ class ModelDrafter(Drafter):
         feeding what rows lagging further behind have not seen: long lags row by row, short ones in one
         shared forward. Returns what each row's cache validly held before [b] and the two tokens [b, 2]
         to feed next."""
-        start = wall_clock(self.layout.model)
         device = self.layout.device
         have, target = self._span(seqs)
         joined = torch.ones_like(have, dtype=torch.bool) if joined is None else joined.to(device)
@@ -146,26 +155,48 @@ class ModelDrafter(Drafter):
             if int((have + torch.where(alone, lag, 0)).max()) + short > self.layout.store.capacity:
                 alone = lag > 0  # the shared rectangle would run past some row's slots: no sharing
             for b in alone.nonzero().flatten().tolist():
-                n, begin = int(lag[b]), int(have[b])
-                self.layout.feed_row(b, seqs[b].tail(seqs[b].length - begin)[:n])
+                n = int(lag[b])
+                self._timed([b], [n], False, True, self.layout.feed_row, b, self._lagging(seqs[b], int(have[b]), n))
             shared &= ~alone
         if bool(shared.any()):
             width = int(lag[shared].max())
             rows = []
             for s, b, n, fed in zip(seqs, have.tolist(), lag.tolist(), shared.tolist()):
-                # tail() copies only the span from b on, not the whole sequence
-                row = s.tail(s.length - b)[:n] if fed else []
+                row = self._lagging(s, b, n) if fed else []
                 rows.append(row + [FILLER_TOKEN] * (width - len(row)))
-            self.layout.forward(torch.tensor(rows, dtype=torch.long, device=device), last_only=True)
+            fed_rows = shared.nonzero().flatten().tolist()
+            self._timed(fed_rows, [int(lag[b]) for b in fed_rows], True, True,
+                        self.layout.forward, torch.tensor(rows, dtype=torch.long, device=device), True)
         self.layout.commit(torch.where(joined, target, have))
-        if bool((lag > 0).any()):
-            self.caught_up_s = wall_clock(self.layout.model) - start
-            self.totals["draft_catch_up_tokens"] += int(lag.sum())
-            self.totals["draft_catch_up_time"] += self.caught_up_s
         return have, torch.tensor([s.tail(2) for s in seqs], dtype=torch.long, device=device)
 
+    def _feed_pieces(self, seqs: list[Sequence], pieces: torch.Tensor) -> None:
+        """Feed row b the next pieces[b] tokens of its lag, alone and committed: a piece of a catch-up
+        that later steps finish (the row does not draft this round)."""
+        have, target = self._span(seqs)
+        self.layout.commit(self._committed(seqs))  # a lagging row's cursor: what it validly holds
+        for b in pieces.nonzero().flatten().tolist():
+            lag = int(target[b] - have[b])
+            n = min(int(pieces[b]), lag)
+            self._timed([b], [n], False, n == lag, self.layout.feed_row, b, self._lagging(seqs[b], int(have[b]), n))
+
+    @staticmethod
+    def _lagging(seq: Sequence, have: int, n: int) -> list[int]:
+        """The n tokens of `seq` after its first `have` (tail() copies only the span from there on)."""
+        return seq.tail(seq.length - have)[:n]
+
+    def _timed(self, rows: list[int], tokens: list[int], shared: bool, complete: bool,
+                feed: Callable[..., object], *args: object) -> None:
+        """Run one catch-up forward, `feed(*args)`, and note it (`catch_ups`, the drafter's counters)."""
+        start = wall_clock(self.layout.model)
+        feed(*args)
+        seconds = wall_clock(self.layout.model) - start
+        self.caught_up.append(CatchUp(rows, tokens, shared, complete, seconds))
+        self.totals["draft_catch_up_tokens"] += sum(tokens)
+        self.totals["draft_catch_up_time"] += seconds
+
     def skip(self, seqs: list[Sequence]) -> None:
-        self.caught_up_s = 0.0
+        self.caught_up = []
         self.layout.commit(self._committed(seqs))
 
     def drop(self, keep: list[bool]) -> list[int]:

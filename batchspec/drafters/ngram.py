@@ -28,7 +28,7 @@ import torch
 from ..layouts import LayoutView
 from ..layouts.base import FILLER_TOKEN
 from ..sequence import Sequence
-from .base import Draft, Drafter, Picker, Steering, pick_argmax
+from .base import CatchUp, Draft, Drafter, Picker, Steering, pick_argmax
 from .model import ModelDrafter
 
 
@@ -160,8 +160,8 @@ class HybridDrafter(Drafter):
     def backlog(self, seqs: list[Sequence]) -> list[int]:
         return self.model.backlog(seqs)
 
-    def last_catch_up(self) -> float:
-        return self.model.last_catch_up()
+    def catch_ups(self) -> list[CatchUp]:
+        return self.model.catch_ups()
 
     def stage(self, tokens: list[int]) -> None:
         self.model.stage(tokens)

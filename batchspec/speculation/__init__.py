@@ -54,9 +54,10 @@ __all__ = ["CATCH_UP_PAYBACK", "FORCED", "OPEN_MARGIN", "PROBE_SHARE", "SAMPLED"
            "AdaptiveSpeculation", "FixedSpeculation", "RoundPlan", "RoundSteering", "Speculation", "make_speculation"]
 
 
-def make_speculation(kind: str, k: int, costs: Costs | None) -> Speculation:
+def make_speculation(kind: str, k: int, costs: Costs | None, chunk: int | None = None) -> Speculation:
+    """`chunk`: the engine's per-step token budget, which catch-ups are fed in pieces of (None: any)."""
     if kind == "adaptive":
         if costs is None:
             raise ValueError("adaptive speculation needs a cost model")
-        return AdaptiveSpeculation(k, costs)
+        return AdaptiveSpeculation(k, costs, chunk)
     return FixedSpeculation(k)

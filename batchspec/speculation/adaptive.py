@@ -36,14 +36,17 @@ class RoundSteering:
     alpha: torch.Tensor  # [b, k_max] per-slot acceptance probability (conditional on the slots before)
     backlog: torch.Tensor  # [b] tokens the drafter must be fed (catch up on) before drafting for the row
     remaining: torch.Tensor  # [b] tokens each row may still commit: what a catch-up pays back over
+    allowance: int | None = None  # catch-up tokens this step may still feed (None: unbounded)
     probe: bool = False
     steps: int = 0  # drafter steps run so far
     confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
     source: torch.Tensor = field(init=False)  # [b, k_max]
     predicted: torch.Tensor = field(init=False)  # [b, k_max] `alpha` as planned, before any draft
+    feed: torch.Tensor = field(init=False)  # [b] tokens of a catch-up fed without drafting (`pieces`)
 
     def __post_init__(self) -> None:
         self.predicted = self.alpha.clone()
+        self.feed = torch.zeros_like(self.backlog)
         self.confidence = torch.full(self.alpha.shape, float("nan"), dtype=torch.float64)
         self.source = torch.full(self.alpha.shape, SAMPLED, dtype=torch.long)
 
@@ -56,6 +59,9 @@ class RoundSteering:
 
     def drafting(self) -> torch.Tensor:
         return self.caps > 0
+
+    def pieces(self) -> torch.Tensor:
+        return self.feed
 
     def observed(self, step: int, logits: torch.Tensor, tokens: torch.Tensor, forced: torch.Tensor | None) -> None:
         confidence = draft_confidence(logits, tokens, forced, self.seqs).double().cpu()
@@ -78,9 +84,10 @@ class AdaptiveSpeculation(Speculation):
 
     weighs_backlog = True
 
-    def __init__(self, k_max: int, costs: Costs) -> None:
+    def __init__(self, k_max: int, costs: Costs, chunk: int | None = None) -> None:
         self.k_max = k_max
         self.costs = costs
+        self.chunk = chunk  # catch-up tokens a step may feed (the engine's per-step budget; None: any)
         self.model = AcceptanceModel(k_max)
         self.idle_s = 0.0  # predicted seconds of plain steps since the drafter last ran
 
@@ -106,23 +113,57 @@ class AdaptiveSpeculation(Speculation):
                 best = (width, rate)
         return best
 
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None) -> RoundPlan:
         remaining = torch.tensor([s.remaining for s in seqs], dtype=torch.long)
         caps = (remaining - 1).clamp(min=0, max=self.k_max)
         top = int(caps.max())
         if top == 0:
             return RoundPlan(0)
         lags = torch.tensor(backlog if backlog is not None else [0] * len(seqs), dtype=torch.long)
-        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs), lags, remaining))
+        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs), lags, remaining, allowance))
 
     def catch_up_time(self, steer: RoundSteering, long: bool) -> float:
         """Predicted seconds of catching up the rows that draft this round: their long lags (`long`:
         a forward of each row's own) or their short ones (one forward shared by all rows)."""
         lags = torch.where(steer.drafting(), steer.backlog, 0)
         if long:
-            return sum(self.costs.draft_time(1, int(n)) for n in lags[lags > SHARED_CATCH_UP])
+            return sum(self.catch_up_cost(int(n)) for n in lags[lags > SHARED_CATCH_UP])
         short = lags[lags <= SHARED_CATCH_UP]
         return self.costs.draft_time(len(steer.seqs), int(short.max())) if bool((short > 0).any()) else 0.0
+
+    def catch_up_cost(self, lag: int) -> float:
+        """Predicted seconds of feeding one row a lag of `lag` tokens alone: one forward, or under a
+        per-step budget one forward per `chunk` tokens (a piece a step)."""
+        if self.chunk is None or lag <= self.chunk:
+            return self.costs.draft_time(1, lag)
+        whole, rest = divmod(lag, self.chunk)
+        return whole * self.costs.draft_time(1, self.chunk) + (self.costs.draft_time(1, rest) if rest else 0.0)
+
+    def catch_up_delay(self, lag: int) -> int:
+        """Steps a row decodes plainly while its catch-up of `lag` tokens is fed a piece a step,
+        before the step that finishes it (and drafts): 0 when unbounded or one piece holds it."""
+        return 0 if self.chunk is None else max(-(-lag // self.chunk) - 1, 0)
+
+    def within_budget(self, steer: RoundSteering) -> None:
+        """Fit this step's catch-ups into its allowance: the drafting rows' lags, smallest first (so
+        a catch-up begun in earlier steps, with little left, tends to finish first), as long as they fit; the first that does not is fed
+        what is left of the allowance as a piece (`RoundSteering.pieces`), and no row whose lag does
+        not fit drafts this round. Pieces go to short lags too: with an allowance under
+        SHARED_CATCH_UP, a short lag that waited for room to be fed whole would never be."""
+        steer.feed = torch.zeros_like(steer.backlog)
+        if steer.allowance is None:
+            return
+        steer.caps = steer.caps.clone()
+        left = steer.allowance
+        lagging = (steer.caps > 0) & (steer.backlog > 0)
+        for b in sorted(lagging.nonzero().flatten().tolist(), key=lambda b: int(steer.backlog[b])):
+            lag = int(steer.backlog[b])
+            if lag <= left:
+                left -= lag
+                continue
+            steer.caps[b] = 0
+            if left > 0:
+                steer.feed[b], left = left, 0
 
     @staticmethod
     def saving(tokens: float, before: float, after: float) -> float:
@@ -166,7 +207,7 @@ class AdaptiveSpeculation(Speculation):
                 return plain  # `open` would not draft for this set: its rounds are plain steps
             return self.best_width(steer, 1, top, 0, cumulative=optimistic * drafting[:, None])[1]
 
-        cost = {b: self.costs.draft_time(1, int(steer.backlog[b])) for b in lagging.nonzero().flatten().tolist()}
+        cost = {b: self.catch_up_cost(int(steer.backlog[b])) for b in lagging.nonzero().flatten().tolist()}
         order = sorted(cost, key=cost.get)
         drafting = ~lagging
         before = rate(drafting)
@@ -174,7 +215,9 @@ class AdaptiveSpeculation(Speculation):
         tokens_left = spent = 0.0  # of the rows caught up so far
         for k, b in enumerate(order, start=1):
             drafting[b] = True
-            tokens_left += int(steer.remaining[b])
+            # fed a piece a step (`chunk`), a row drafts only from the step that finishes its catch-up
+            backlog = int(steer.backlog[b])
+            tokens_left += max(int(steer.remaining[b]) - self.catch_up_delay(backlog), 0)
             spent += cost[b]
             saved = self.saving(rows * tokens_left / k, before, rate(drafting)) - CATCH_UP_PAYBACK * spent
             if saved > best[0]:
@@ -191,11 +234,15 @@ class AdaptiveSpeculation(Speculation):
         that declined one round found the next dearer by the catch-up, and the next dearer still, and
         never drafted again). When the estimates say no, a one-draft probe of every row runs once the
         plain steps since the drafter last ran have taken 1 / PROBE_SHARE times what the probe costs
-        beyond a plain step."""
+        beyond a plain step. Under a per-step budget the catch-ups are fitted into this step's
+        allowance first (`within_budget`); the pieces of the long ones chosen are fed even when the
+        round then does not draft, since they were chosen for the rounds after it."""
         everyone = steer.caps.clone()
         rows = len(steer.seqs)
         plain = self.round_time(rows, 0, 0)
         self.leave_out(steer)
+        self.within_budget(steer)
+        chosen = steer.feed
         if int(steer.caps.max()) > 0:
             _, stop = self.best_width(steer, 0, 0, 0)
             _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
@@ -207,9 +254,12 @@ class AdaptiveSpeculation(Speculation):
         steer.caps = everyone
         probe = sum(self.catch_up_time(steer, long) for long in (False, True)) + self.round_time(rows, 1, 1) - plain
         if probe <= PROBE_SHARE * self.idle_s:
-            self.idle_s = 0.0
-            steer.probe = True
-            return True
+            self.within_budget(steer)
+            if int(steer.caps.max()) > 0:
+                self.idle_s = 0.0
+                steer.probe = True
+                return True
+        steer.feed = chosen
         self.idle_s += plain
         return False
 
