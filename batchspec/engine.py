@@ -25,7 +25,7 @@ from .layouts import LayoutView
 from .rows import Rows
 from .scheduler import make_scheduler
 from .sequence import Sequence
-from .speculation import RoundPlan, Speculation
+from .speculation import RoundPlan, RoundTimes, Speculation
 from .stats import EngineStats
 from .trace import NO_TRACE, NullTrace
 
@@ -252,7 +252,7 @@ class Engine:
         t3 = self.rows.clock()
         catch_ups = self.rows.drafter.catch_ups()  # deferred prefills, not drafting
         catch_up = sum(c.seconds for c in catch_ups)
-        self.speculation.observe(seqs, plan, draft, count, (t1 - t0 - catch_up, t2 - t1, t3 - t2))
+        self.speculation.observe(seqs, plan, draft, count, RoundTimes(t1 - t0 - catch_up, t2 - t1, t3 - t2, catch_up))
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         self.stats.other_time += self.rows.clock() - t2

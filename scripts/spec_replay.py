@@ -45,7 +45,7 @@ from batchspec.drafters import SHARED_CATCH_UP, Draft
 from batchspec.llm import LLM
 from batchspec.models import load_pair
 from batchspec.sequence import Sequence
-from batchspec.speculation import AdaptiveSpeculation, FixedSpeculation, Speculation
+from batchspec.speculation import AdaptiveSpeculation, FixedSpeculation, RoundTimes, Speculation
 
 
 @dataclass
@@ -177,7 +177,7 @@ class Replay:
         self.time["catch_up"] += catch_up
         self.time["draft"] += draft_s
         self.time["verify"] += verify_s
-        self.policy.observe(seqs, plan, draft, torch.tensor(count), (draft_s, verify_s, 0.0))
+        self.policy.observe(seqs, plan, draft, torch.tensor(count), RoundTimes(draft_s, verify_s, 0.0, catch_up))
 
     @property
     def seconds(self) -> float:

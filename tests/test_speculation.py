@@ -24,6 +24,7 @@ from batchspec.speculation import (
     AdaptiveSpeculation,
     FixedSpeculation,
     RoundPlan,
+    RoundTimes,
 )
 
 K = 5
@@ -71,6 +72,38 @@ def test_expensive_drafting_and_low_acceptance_choose_plain_steps_with_rare_prob
     cost = catch_up + policy.round_time(2, 1, 1) - plain
     every = math.ceil(cost / (PROBE_SHARE * plain)) + 1  # plain steps until the budget allows one, then the probe
     assert probes == list(range(every - 1, 400, every))
+
+
+@pytest.mark.parametrize("overrun", [1.0, 5.0])
+def test_probes_cost_at_most_their_share_of_plain_time_as_measured(overrun):
+    """Probes whose rounds measure `overrun` times dearer than predicted (a catch-up or verify the
+    table underrates) are charged the difference before the next probe: what probes measured to
+    cost beyond plain steps stays within PROBE_SHARE of the plain steps' time (plus the one probe
+    that overdraws), where the prediction-only rule would spend `overrun` times that."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.3, draft_step=1.0, draft_token=0.01)
+    policy = AdaptiveSpeculation(K, costs)
+    seqs = rows(2, budget=100_000)
+    teach(policy, seqs, accepted=0)
+    plain = policy.round_time(2, 0, 0)
+    plain_s = loss_s = 0.0
+    probes = 0
+    for _ in range(3000):
+        plan = policy.plan(seqs, [0, 0])
+        steer = plan.steer
+        if not steer.proceed(0):
+            plain_s += plain
+            continue
+        probes += 1
+        cost = steer.probe_cost  # predicted: what a probe adds to a plain step
+        draft = Draft(torch.zeros(2, 1, dtype=torch.long), None)
+        extra = overrun * cost  # ... and what it measured
+        policy.observe(seqs, plan, draft, torch.ones(2, dtype=torch.long), RoundTimes(0.0, plain + extra, 0.0))
+        loss_s += extra
+    predicted_every = math.ceil(cost / (PROBE_SHARE * plain)) + 1  # plain steps + the probe
+    assert loss_s <= PROBE_SHARE * plain_s + overrun * cost
+    assert probes >= 0.9 * 3000 / predicted_every / overrun  # probing goes on, as often as the share allows
+    if overrun > 1:
+        assert probes < 0.5 * 3000 / predicted_every  # the prediction alone would probe `overrun` times as often
 
 
 def test_a_round_drafts_only_for_a_gain_beyond_the_margin():

@@ -22,8 +22,9 @@ criterion, with a full look-ahead rather than one step); after drafting, verify 
 Width 0 is a plain decoding step: the drafter does not run at all. When the estimates keep the batch
 at width 0, a one-draft probe runs now and then, so that acceptance that recovers (a row starts
 copying code, say) is noticed: once the plain steps since the drafter last ran add up to
-1 / PROBE_SHARE times what a probe costs beyond a plain step, so probing never costs more than
-PROBE_SHARE of plain decoding's time.
+1 / PROBE_SHARE times what a probe costs beyond a plain step. A probe that measures dearer than
+predicted (a catch-up longer than the table's, a busy machine) is charged the difference before the
+next one, so probing costs at most PROBE_SHARE of plain decoding's time as measured, not as predicted.
 
 The drafter may first have to catch rows up: it has not seen what plain steps committed, nor the
 prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). Catching up
@@ -48,10 +49,11 @@ from __future__ import annotations
 from ..costs import Costs
 from .adaptive import CATCH_UP_PAYBACK, OPEN_MARGIN, PROBE_SHARE, AdaptiveSpeculation, RoundSteering
 from .estimates import FORCED, SAMPLED, AcceptanceModel
-from .plan import FixedSpeculation, RoundPlan, Speculation
+from .plan import FixedSpeculation, RoundPlan, RoundTimes, Speculation
 
 __all__ = ["CATCH_UP_PAYBACK", "FORCED", "OPEN_MARGIN", "PROBE_SHARE", "SAMPLED", "AcceptanceModel",
-           "AdaptiveSpeculation", "FixedSpeculation", "RoundPlan", "RoundSteering", "Speculation", "make_speculation"]
+           "AdaptiveSpeculation", "FixedSpeculation", "RoundPlan", "RoundSteering", "RoundTimes",
+           "Speculation", "make_speculation"]
 
 
 def make_speculation(kind: str, k: int, costs: Costs | None, chunk: int | None = None) -> Speculation:

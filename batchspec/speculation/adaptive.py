@@ -12,7 +12,7 @@ from ..draft import SHARED_CATCH_UP, Draft
 from ..sampling import REJECTION, draft_confidence, rule
 from ..sequence import Sequence
 from .estimates import SAMPLED, AcceptanceModel
-from .plan import RoundPlan, Speculation
+from .plan import RoundPlan, RoundTimes, Speculation
 
 # Catch-ups must be expected to save this many times their cost (see `leave_out`): a margin for the
 # estimate's errors, small enough to let through the drafter's prefill of long prompts where it pays
@@ -38,6 +38,7 @@ class RoundSteering:
     remaining: torch.Tensor  # [b] tokens each row may still commit: what a catch-up pays back over
     allowance: int | None = None  # catch-up tokens this step may still feed (None: unbounded)
     probe: bool = False
+    probe_cost: float = 0.0  # predicted seconds a probe adds to a plain step (set when it is one)
     steps: int = 0  # drafter steps run so far
     confidence: torch.Tensor = field(init=False)  # [b, k_max], NaN where not observed
     source: torch.Tensor = field(init=False)  # [b, k_max]
@@ -89,7 +90,10 @@ class AdaptiveSpeculation(Speculation):
         self.costs = costs
         self.chunk = chunk  # catch-up tokens a step may feed (the engine's per-step budget; None: any)
         self.model = AcceptanceModel(k_max)
-        self.idle_s = 0.0  # predicted seconds of plain steps since the drafter last ran
+        # Seconds of probing earned: PROBE_SHARE of each plain step since the drafter last ran, less
+        # what probes measured to cost beyond their prediction (`observe`), so probing stays within
+        # PROBE_SHARE of plain decoding's time even where catch-ups or verifies cost more than the table says.
+        self.probe_credit = 0.0
 
     def round_time(self, rows: int, width: int, steps: int) -> float:
         """Seconds of a round verifying `width` drafts per row after `steps` drafter steps."""
@@ -234,7 +238,7 @@ class AdaptiveSpeculation(Speculation):
         that declined one round found the next dearer by the catch-up, and the next dearer still, and
         never drafted again). When the estimates say no, a one-draft probe of every row runs once the
         plain steps since the drafter last ran have taken 1 / PROBE_SHARE times what the probe costs
-        beyond a plain step. Under a per-step budget the catch-ups are fitted into this step's
+        beyond a plain step, less what earlier probes cost beyond their prediction. Under a per-step budget the catch-ups are fitted into this step's
         allowance first (`within_budget`); the pieces of the long ones chosen are fed even when the
         round then does not draft, since they were chosen for the rounds after it."""
         everyone = steer.caps.clone()
@@ -249,18 +253,18 @@ class AdaptiveSpeculation(Speculation):
             if go > stop * (1 + OPEN_MARGIN):
                 tokens = rows * float(steer.remaining[steer.drafting()].double().mean())
                 if self.saving(tokens, stop, go) > CATCH_UP_PAYBACK * self.catch_up_time(steer, long=False):
-                    self.idle_s = 0.0
+                    self.probe_credit = min(self.probe_credit, 0.0)  # earned while idle; a debt stays
                     return True
         steer.caps = everyone
         probe = sum(self.catch_up_time(steer, long) for long in (False, True)) + self.round_time(rows, 1, 1) - plain
-        if probe <= PROBE_SHARE * self.idle_s:
+        if probe <= self.probe_credit:
             self.within_budget(steer)
             if int(steer.caps.max()) > 0:
-                self.idle_s = 0.0
-                steer.probe = True
+                self.probe_credit = 0.0
+                steer.probe, steer.probe_cost = True, probe
                 return True
         steer.feed = chosen
-        self.idle_s += plain
+        self.probe_credit += PROBE_SHARE * plain
         return False
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
@@ -310,7 +314,7 @@ class AdaptiveSpeculation(Speculation):
         return drafted
 
     def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
-                times: tuple[float, float, float]) -> None:
+                times: RoundTimes) -> None:
         steps = 0
         if plan.steer is not None:
             steer = plan.steer
@@ -318,7 +322,14 @@ class AdaptiveSpeculation(Speculation):
             width = draft.width
             lengths = draft.row_lengths().cpu()
             self.model.record(seqs, lengths, count.cpu() - 1, steer.confidence[:, :width], steer.source[:, :width])
-        self.costs.observe(len(seqs), draft.width, steps, *times)
+            if steer.probe:
+                self.probe_credit -= max(0.0, self.probe_loss(len(seqs), count, times) - steer.probe_cost)
+        self.costs.observe(len(seqs), draft.width, steps, times.draft, times.verify, times.other)
+
+    def probe_loss(self, rows: int, count: torch.Tensor, times: RoundTimes) -> float:
+        """Seconds a round measured to cost beyond what plain steps take to emit its tokens: a
+        plain step of these rows emits one token per row, the round emitted count [b]."""
+        return times.total - self.round_time(rows, 0, 0) * float(count.sum()) / rows
 
     def forget(self, seqs: list[Sequence]) -> None:
         self.model.forget(seqs)

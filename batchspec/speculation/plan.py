@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -24,6 +24,20 @@ class RoundPlan:
     steer: RoundSteering | None = None
 
 
+class RoundTimes(NamedTuple):
+    """A round's wall time by phase, seconds: drafter steps, the target's verify forward, everything
+    else (acceptance, commits), and the drafter's catch-ups (deferred prefills, apart from its steps)."""
+
+    draft: float
+    verify: float
+    other: float
+    catch_up: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.verify + self.other + self.catch_up
+
+
 class Speculation(ABC):
     """A speculation policy: plans a round, trims what the drafter proposed, learns from the outcome."""
 
@@ -40,9 +54,9 @@ class Speculation(ABC):
         return draft
 
     def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
-                times: tuple[float, float, float]) -> None:
+                times: RoundTimes) -> None:
         """The round's outcome: `count` [b] tokens emitted per row (accepted drafts + 1) and its
-        (draft, verify, other) seconds."""
+        seconds by phase."""
 
     def forget(self, seqs: list[Sequence]) -> None:
         """These sequences left the engine."""
