@@ -43,8 +43,10 @@ SMOOTHING = 0.1  # weight of each new round in the online rescaling (load, draft
 SHAPE_SMOOTHING = 0.01  # ... in a verify shape's own mean, once it has 100 rounds (before: their plain mean)
 SCALE_BOUNDS = (0.2, 5.0)  # a single odd round (a GC pause, a page fault) may not move the model further
 CONTEXT = 8  # committed tokens per row while measuring: decode-like; prefilling more only costs time
-# Each shape is timed until its two fastest timings agree within AGREEMENT (its fastest counts: noise
-# only adds time), at most TRIES times, after one warm-up forward per layout.
+# Each shape is timed until two of its timings agree within AGREEMENT, at most TRIES times, after one
+# warm-up forward per layout; the faster of the first agreeing pair counts. Noise only adds time, but a
+# lone fast timing is no more the forward's cost than a lone slow one (clocks rise and fall with what
+# the cores ran just before), so it has to be matched.
 AGREEMENT = 0.10
 TRIES = 3
 MAX_GRID = 3  # measured points per axis (rows; verify tokens); the rest is interpolated
@@ -70,14 +72,17 @@ MONOTONE_SLACK = 0.2
 # A cached table whose smallest shape takes this many times what it takes now was measured on a
 # busy machine (a contended 2-core CPU can be several times slower): measured anew, not trusted.
 STALE_FACTOR = 1.3
-# Rounds whose verify forwards ran more than DRIFT away from the table's prediction (the median
-# ratio over the last DRIFT_ROUNDS rounds) mark the table's cache file stale: the next start re-times
-# it. This process goes on with its online rescaling; re-timing now would take the cores from the run.
+# Rounds whose verify forwards ran more than DRIFT faster than the table predicts (the median ratio
+# over the last DRIFT_ROUNDS rounds) mark the table's cache file stale: the next start re-times it.
+# Only faster: the table is timed at a short context, so rounds at real contexts (longer attention)
+# or on a machine busy now run slower without the table being wrong, while rounds much faster than
+# it say it was timed while something else ran. This process goes on with its online rescaling;
+# re-timing now would take the cores from the run.
 DRIFT = 0.25
 DRIFT_ROUNDS = 20
 # How tables are measured: part of the cache key, so a change to `measure` retires tables measured
 # the old way (docs/methods.md keeps the history).
-CALIBRATION_VERSION = 6
+CALIBRATION_VERSION = 7
 
 
 class Costs(Protocol):
@@ -217,13 +222,13 @@ class MeasuredCosts:
     def _check_table(self, shape: tuple[int, int], verify_s: float) -> None:
         """Compare a round's verify time with the table's own prediction (not the rescaled one, which
         follows the rounds): the median over DRIFT_ROUNDS rounds, so that a GC pause or a burst of
-        load does not retire a good table."""
+        load does not retire a good table; only rounds faster than it (DRIFT) retire it."""
         predicted = self.verify(*shape)
         if self.drifted or predicted <= 0 or verify_s <= 0:
             return
         self._ratios.append(verify_s / predicted)
         ratio = statistics.median(self._ratios)
-        if len(self._ratios) == DRIFT_ROUNDS and abs(ratio - 1) > DRIFT:
+        if len(self._ratios) == DRIFT_ROUNDS and ratio < 1 - DRIFT:
             self.drifted = True
             mark_stale(self.files, f"verify forwards ran {ratio:.2f}x its prediction over {DRIFT_ROUNDS} rounds")
 
@@ -257,10 +262,15 @@ def shapes(rows: list[int], tokens: list[int], all_logits: bool) -> list[tuple[i
     return [(r, n) for r in rows for n in tokens if all_logits or r == 1 or n <= SHARED_CATCH_UP]
 
 
+def settled(timings: list[float]) -> float | None:
+    """A shape's time: the faster of its fastest two timings that agree within AGREEMENT (None
+    while no two do)."""
+    ordered = sorted(timings)
+    return next((a for a, b in zip(ordered, ordered[1:]) if b <= a * (1 + AGREEMENT)), None)
+
+
 def agreed(timings: list[float]) -> bool:
-    """Whether a shape's two fastest timings agree within AGREEMENT."""
-    fastest = sorted(timings)[:2]
-    return len(fastest) == 2 and fastest[1] <= fastest[0] * (1 + AGREEMENT)
+    return settled(timings) is not None
 
 
 @torch.inference_mode()
@@ -307,7 +317,7 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
             for shape in [s for s in timed if not agreed(timings[s])]:
                 timings[shape].append(seconds(*shape))
                 bar.update(int(agreed(timings[shape])))
-    best = {shape: min(t) for shape, t in timings.items()}
+    best = {shape: settled(t) or min(t) for shape, t in timings.items()}
     doubts = [f"{r}x{n}'s timings never agreed ({', '.join(f'{t * 1e3:.1f}' for t in sorted(timings[r, n]))} ms)"
               for r, n in timed if not agreed(timings[r, n])]
     seconds_by_shape = [[best[r, n] if (r, n) in best else _one_by_one(best, r, n) for n in tokens] for r in rows]

@@ -5,13 +5,12 @@ stay exactly plain decoding's, and the step trace records every piece of every s
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import defaultdict
 
 import pytest
-import torch
-from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts, tiny_model
+from test_engine import drafter, target
+from tinyworld import ScriptedCosts, random_prompts
 
 from batchspec.build import build_engine
 from batchspec.config import DEFAULT_PREFILL_TOKENS, SamplingParams, SpecConfig
@@ -20,16 +19,6 @@ from batchspec.reference import greedy_decode
 from batchspec.trace import StepTrace
 
 FREE_CATCH_UP = ScriptedCosts(1.0, 0.01, 0.01, draft_token=0.0)  # drafting pays, catching up costs nothing
-
-
-@functools.cache
-def target(arch: str) -> torch.nn.Module:
-    return tiny_model(arch, vocab_size=VOCAB_SIZE, seed=0)
-
-
-@functools.cache
-def drafter(arch: str) -> torch.nn.Module:
-    return perturbed_copy(target(arch), noise=0.02, seed=1)
 
 
 def assert_plain(arch: str, prompts: list[list[int]], outputs, budgets: list[int]) -> None:

@@ -25,6 +25,10 @@ copying code, say) is noticed: once the plain steps since the drafter last ran a
 1 / PROBE_SHARE times what a probe costs beyond a plain step. A probe that measures dearer than
 predicted (a catch-up longer than the table's, a busy machine) is charged the difference before the
 next one, so probing costs at most PROBE_SHARE of plain decoding's time as measured, not as predicted.
+Drafting rounds and catch-ups are held to the same standard (`AdaptiveSpeculation.account`): what
+each measured to save or lose against plain steps emitting the same tokens is summed, plain steps add
+PROBE_SHARE of their time, and while the sum is negative the policy neither drafts (probes aside) nor
+starts a catch-up: estimates that keep promising what the rounds do not deliver cost a bounded share.
 
 The drafter may first have to catch rows up: it has not seen what plain steps committed, nor the
 prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). Catching up
@@ -47,11 +51,11 @@ what was known before each draw (`blind_width`), so the rule stays distribution-
 from __future__ import annotations
 
 from ..costs import Costs
-from .adaptive import CATCH_UP_PAYBACK, OPEN_MARGIN, PROBE_SHARE, AdaptiveSpeculation, RoundSteering
+from .adaptive import ACCOUNT_STEPS, CATCH_UP_PAYBACK, OPEN_MARGIN, PROBE_SHARE, AdaptiveSpeculation, RoundSteering
 from .estimates import FORCED, SAMPLED, AcceptanceModel
 from .plan import FixedSpeculation, RoundPlan, RoundTimes, Speculation
 
-__all__ = ["CATCH_UP_PAYBACK", "FORCED", "OPEN_MARGIN", "PROBE_SHARE", "SAMPLED", "AcceptanceModel",
+__all__ = ["ACCOUNT_STEPS", "CATCH_UP_PAYBACK", "FORCED", "OPEN_MARGIN", "PROBE_SHARE", "SAMPLED", "AcceptanceModel",
            "AdaptiveSpeculation", "FixedSpeculation", "RoundPlan", "RoundSteering", "RoundTimes",
            "Speculation", "make_speculation"]
 

@@ -19,6 +19,11 @@ from .plan import RoundPlan, RoundTimes, Speculation
 # (the replay that chose it: docs/results/history.md, "Constants in the code").
 CATCH_UP_PAYBACK = 1.25
 PROBE_SHARE = 0.03  # of the time spent in plain steps, at most this goes to probing whether drafting pays again
+# The drafting account (`AdaptiveSpeculation.account`) may hold at most this many plain steps' worth of
+# measured savings: enough to ride out a few rounds that reject every draft where drafting pays on
+# the whole, little enough that when it stops paying (the batch grew, the text changed) plain decoding
+# takes over within about as many steps' loss.
+ACCOUNT_STEPS = 8
 # A round drafts only if it promises this much more than a plain step: its costs and acceptance are
 # noisy estimates, and drafting for a 1% gain loses whenever they err.
 OPEN_MARGIN = 0.05
@@ -94,6 +99,11 @@ class AdaptiveSpeculation(Speculation):
         # what probes measured to cost beyond their prediction (`observe`), so probing stays within
         # PROBE_SHARE of plain decoding's time even where catch-ups or verifies cost more than the table says.
         self.probe_credit = 0.0
+        # What drafting and catch-ups measured to save (+) or lose (-) against plain steps emitting the
+        # same tokens, seconds; plain steps add PROBE_SHARE of their time, so a policy whose estimates
+        # keep promising gains that the rounds do not deliver drafts again only after enough plain
+        # steps to pay for it. Drafting and catch-ups wait while it is negative.
+        self.account = 0.0
 
     def round_time(self, rows: int, width: int, steps: int) -> float:
         """Seconds of a round verifying `width` drafts per row after `steps` drafter steps."""
@@ -200,6 +210,9 @@ class AdaptiveSpeculation(Speculation):
         top = int(steer.caps.max())
         if not bool(lagging.any()) or top == 0:
             return
+        if self.account < 0:  # drafting has measured a loss not yet earned back: no new investment
+            steer.caps = torch.where(lagging, 0, steer.caps)
+            return
         rows = len(steer.seqs)
         expected = steer.cumulative(top)
         optimistic = steer.cumulative(top, self.model.optimistic(steer.seqs))
@@ -247,7 +260,7 @@ class AdaptiveSpeculation(Speculation):
         self.leave_out(steer)
         self.within_budget(steer)
         chosen = steer.feed
-        if int(steer.caps.max()) > 0:
+        if int(steer.caps.max()) > 0 and self.account >= 0:
             _, stop = self.best_width(steer, 0, 0, 0)
             _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
             if go > stop * (1 + OPEN_MARGIN):
@@ -265,6 +278,7 @@ class AdaptiveSpeculation(Speculation):
                 return True
         steer.feed = chosen
         self.probe_credit += PROBE_SHARE * plain
+        self.account = min(self.account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
         return False
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
@@ -322,13 +336,16 @@ class AdaptiveSpeculation(Speculation):
             width = draft.width
             lengths = draft.row_lengths().cpu()
             self.model.record(seqs, lengths, count.cpu() - 1, steer.confidence[:, :width], steer.source[:, :width])
+            loss = self.round_loss(len(seqs), count, times)
             if steer.probe:
-                self.probe_credit -= max(0.0, self.probe_loss(len(seqs), count, times) - steer.probe_cost)
+                self.probe_credit -= max(0.0, loss - steer.probe_cost)
+            elif steps > 0 or times.catch_up > 0:  # a drafting round, or catch-up pieces fed for later ones
+                self.account = min(self.account - loss, ACCOUNT_STEPS * self.round_time(len(seqs), 0, 0))
         self.costs.observe(len(seqs), draft.width, steps, times.draft, times.verify, times.other)
 
-    def probe_loss(self, rows: int, count: torch.Tensor, times: RoundTimes) -> float:
-        """Seconds a round measured to cost beyond what plain steps take to emit its tokens: a
-        plain step of these rows emits one token per row, the round emitted count [b]."""
+    def round_loss(self, rows: int, count: torch.Tensor, times: RoundTimes) -> float:
+        """Seconds a round measured to cost beyond what plain steps take to emit its tokens (negative:
+        saved): a plain step of these rows emits one token per row, the round emitted count [b]."""
         return times.total - self.round_time(rows, 0, 0) * float(count.sum()) / rows
 
     def forget(self, seqs: list[Sequence]) -> None:
