@@ -145,6 +145,37 @@ def test_drafting_that_measures_a_loss_waits_until_plain_steps_have_paid_for_it(
         assert 2 <= drafted < 100  # it tries again now and then, as the plain steps pay for it
 
 
+@pytest.mark.parametrize("repaid", [True, False])
+def test_a_catch_up_waits_for_the_last_ones_to_be_paid_back_but_never_stops_the_drafting_that_repays_them(repaid):
+    """Each round brings a row whose prompt the drafter has not seen (a long lag), estimated worth
+    catching up; the catch-up measures 3 plain steps. Where the drafting after it saves what was
+    promised (`repaid`), every lagging row is caught up and drafting goes on; where it saves nothing,
+    the next catch-up waits until plain steps have paid for the last (PROBE_SHARE of their time)."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.01, draft_step=0.05, draft_token=0.0001)
+    policy = AdaptiveSpeculation(K, costs)
+    seqs = rows(2, budget=100_000)
+    teach(policy, seqs, accepted=4)
+    plain = policy.round_time(2, 0, 0)
+    caught_up = rounds = 0
+    for _ in range(300):
+        plan = policy.plan(seqs, [0, 200])  # row 1 lags by a whole prompt
+        steer = plan.steer
+        if not steer.proceed(0) or steer.probe:
+            continue
+        rounds += 1
+        joined = bool(steer.drafting()[1])
+        caught_up += joined
+        steer.steps = K
+        spent = policy.round_time(2, K, K) if repaid else plain * 5  # 5 tokens a row: a saving, or none
+        policy.observe(seqs, plan, Draft(torch.zeros(2, K, dtype=torch.long), None), torch.full((2,), 5),
+                       RoundTimes(0.0, spent, 0.0, catch_up=3 * plain if joined else 0.0))
+        assert policy.draft_account >= 0  # drafting itself never lost: it never stops
+    if repaid:
+        assert caught_up == rounds == 300
+    else:
+        assert rounds == 300 and caught_up <= 300 * PROBE_SHARE / 3 + 1
+
+
 def test_a_round_drafts_only_for_a_gain_beyond_the_margin():
     """Drafting that promises less than OPEN_MARGIN more tokens per second than a plain step is
     turned down: the estimates are noisier than that."""

@@ -25,10 +25,11 @@ copying code, say) is noticed: once the plain steps since the drafter last ran a
 1 / PROBE_SHARE times what a probe costs beyond a plain step. A probe that measures dearer than
 predicted (a catch-up longer than the table's, a busy machine) is charged the difference before the
 next one, so probing costs at most PROBE_SHARE of plain decoding's time as measured, not as predicted.
-Drafting rounds and catch-ups are held to the same standard (`AdaptiveSpeculation.account`): what
-each measured to save or lose against plain steps emitting the same tokens is summed, plain steps add
-PROBE_SHARE of their time, and while the sum is negative the policy neither drafts (probes aside) nor
-starts a catch-up: estimates that keep promising what the rounds do not deliver cost a bounded share.
+Drafting rounds and catch-ups are held to the same standard (`AdaptiveSpeculation.book`): what
+drafting rounds measured to save or lose against plain steps emitting the same tokens is summed, and
+so are catch-ups' seconds against the savings of the drafting after them; plain steps add PROBE_SHARE
+of their time to both, and while one is negative the policy does not draft (probes aside), or does
+not start a catch-up: estimates that keep promising what the rounds do not deliver cost a bounded share.
 
 The drafter may first have to catch rows up: it has not seen what plain steps committed, nor the
 prompts of rows it never drafted for (it prefills lazily, `batchspec.drafters.model`). Catching up

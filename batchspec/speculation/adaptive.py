@@ -19,10 +19,10 @@ from .plan import RoundPlan, RoundTimes, Speculation
 # (the replay that chose it: docs/results/history.md, "Constants in the code").
 CATCH_UP_PAYBACK = 1.25
 PROBE_SHARE = 0.03  # of the time spent in plain steps, at most this goes to probing whether drafting pays again
-# The drafting account (`AdaptiveSpeculation.account`) may hold at most this many plain steps' worth of
-# measured savings: enough to ride out a few rounds that reject every draft where drafting pays on
-# the whole, little enough that when it stops paying (the batch grew, the text changed) plain decoding
-# takes over within about as many steps' loss.
+# The measured accounts (`AdaptiveSpeculation.draft_account`, `.catch_up_account`) hold at most this many
+# plain steps' worth of savings: enough to ride out a few rounds that reject every draft, or a long
+# prompt's catch-up, where drafting pays on the whole; little enough that when it stops paying (the
+# batch grew, the text changed) plain decoding takes over within about as many steps' loss.
 ACCOUNT_STEPS = 8
 # A round drafts only if it promises this much more than a plain step: its costs and acceptance are
 # noisy estimates, and drafting for a 1% gain loses whenever they err.
@@ -99,11 +99,14 @@ class AdaptiveSpeculation(Speculation):
         # what probes measured to cost beyond their prediction (`observe`), so probing stays within
         # PROBE_SHARE of plain decoding's time even where catch-ups or verifies cost more than the table says.
         self.probe_credit = 0.0
-        # What drafting and catch-ups measured to save (+) or lose (-) against plain steps emitting the
-        # same tokens, seconds; plain steps add PROBE_SHARE of their time, so a policy whose estimates
-        # keep promising gains that the rounds do not deliver drafts again only after enough plain
-        # steps to pay for it. Drafting and catch-ups wait while it is negative.
-        self.account = 0.0
+        # Measured accounts, seconds, each capped at ACCOUNT_STEPS plain steps and raised by PROBE_SHARE
+        # of every plain step: `draft_account`, what drafting rounds saved (+) or lost (-) against plain
+        # steps emitting the same tokens (drafting waits while it is negative); `catch_up_account`, the
+        # catch-ups' seconds against what the drafting rounds after them saved (a new catch-up waits
+        # while it is negative). Apart, because a catch-up pays back only through the drafting it
+        # opens: one account for both would stop the drafting that repays it.
+        self.draft_account = 0.0
+        self.catch_up_account = 0.0
 
     def round_time(self, rows: int, width: int, steps: int) -> float:
         """Seconds of a round verifying `width` drafts per row after `steps` drafter steps."""
@@ -210,7 +213,7 @@ class AdaptiveSpeculation(Speculation):
         top = int(steer.caps.max())
         if not bool(lagging.any()) or top == 0:
             return
-        if self.account < 0:  # drafting has measured a loss not yet earned back: no new investment
+        if self.catch_up_account < 0:  # catch-ups have not yet been paid back by drafting: no new one
             steer.caps = torch.where(lagging, 0, steer.caps)
             return
         rows = len(steer.seqs)
@@ -260,7 +263,7 @@ class AdaptiveSpeculation(Speculation):
         self.leave_out(steer)
         self.within_budget(steer)
         chosen = steer.feed
-        if int(steer.caps.max()) > 0 and self.account >= 0:
+        if int(steer.caps.max()) > 0 and self.draft_account >= 0:
             _, stop = self.best_width(steer, 0, 0, 0)
             _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
             if go > stop * (1 + OPEN_MARGIN):
@@ -278,7 +281,8 @@ class AdaptiveSpeculation(Speculation):
                 return True
         steer.feed = chosen
         self.probe_credit += PROBE_SHARE * plain
-        self.account = min(self.account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
+        self.draft_account = min(self.draft_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
+        self.catch_up_account = min(self.catch_up_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
         return False
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
@@ -336,12 +340,23 @@ class AdaptiveSpeculation(Speculation):
             width = draft.width
             lengths = draft.row_lengths().cpu()
             self.model.record(seqs, lengths, count.cpu() - 1, steer.confidence[:, :width], steer.source[:, :width])
-            loss = self.round_loss(len(seqs), count, times)
             if steer.probe:
-                self.probe_credit -= max(0.0, loss - steer.probe_cost)
-            elif steps > 0 or times.catch_up > 0:  # a drafting round, or catch-up pieces fed for later ones
-                self.account = min(self.account - loss, ACCOUNT_STEPS * self.round_time(len(seqs), 0, 0))
+                self.probe_credit -= max(0.0, self.round_loss(len(seqs), count, times) - steer.probe_cost)
+            else:
+                self.book(len(seqs), count, times, drafted=steps > 0)
         self.costs.observe(len(seqs), draft.width, steps, times.draft, times.verify, times.other)
+
+    def book(self, rows: int, count: torch.Tensor, times: RoundTimes, drafted: bool) -> None:
+        """Enter a round in the measured accounts: a drafting round's own loss or saving (its
+        catch-ups apart), its saving again as the return on the catch-ups before it, and any
+        catch-up's seconds."""
+        cap = ACCOUNT_STEPS * self.round_time(rows, 0, 0)
+        returned = 0.0
+        if drafted:
+            loss = self.round_loss(rows, count, times._replace(catch_up=0.0))
+            self.draft_account = min(self.draft_account - loss, cap)
+            returned = max(0.0, -loss)
+        self.catch_up_account = min(self.catch_up_account + returned - times.catch_up, cap)
 
     def round_loss(self, rows: int, count: torch.Tensor, times: RoundTimes) -> float:
         """Seconds a round measured to cost beyond what plain steps take to emit its tokens (negative:
