@@ -75,6 +75,14 @@ def test_expensive_drafting_and_low_acceptance_choose_plain_steps_with_rare_prob
     assert probes == list(range(every - 1, 400, every))
 
 
+def taught_pair(costs: ScriptedCosts, accepted: int) -> tuple[AdaptiveSpeculation, list[Sequence], float]:
+    """A policy taught that 2 long rows accept `accepted` of K drafts, the rows, and a plain step's time."""
+    policy = AdaptiveSpeculation(K, costs)
+    seqs = rows(2, budget=100_000)
+    teach(policy, seqs, accepted=accepted)
+    return policy, seqs, policy.round_time(2, 0, 0)
+
+
 @pytest.mark.parametrize("overrun", [1.0, 5.0])
 def test_probes_cost_at_most_their_share_of_plain_time_as_measured(overrun):
     """Probes whose rounds measure `overrun` times dearer than predicted (a catch-up or verify the
@@ -82,10 +90,7 @@ def test_probes_cost_at_most_their_share_of_plain_time_as_measured(overrun):
     cost beyond plain steps stays within PROBE_SHARE of the plain steps' time (plus the one probe
     that overdraws), where the prediction-only rule would spend `overrun` times that."""
     costs = ScriptedCosts(verify_base=1.0, verify_token=0.3, draft_step=1.0, draft_token=0.01)
-    policy = AdaptiveSpeculation(K, costs)
-    seqs = rows(2, budget=100_000)
-    teach(policy, seqs, accepted=0)
-    plain = policy.round_time(2, 0, 0)
+    policy, seqs, plain = taught_pair(costs, accepted=0)
     plain_s = loss_s = 0.0
     probes = 0
     for _ in range(3000):
@@ -116,10 +121,7 @@ def test_drafting_that_measures_a_loss_waits_until_plain_steps_have_paid_for_it(
     steps and one round, where the estimates alone would draft, and lose, every round; rounds that
     deliver what was promised draft every round."""
     costs = ScriptedCosts(verify_base=1.0, verify_token=0.01, draft_step=0.05)
-    policy = AdaptiveSpeculation(K, costs)
-    seqs = rows(2, budget=100_000)
-    teach(policy, seqs, accepted=4)
-    plain = policy.round_time(2, 0, 0)
+    policy, seqs, plain = taught_pair(costs, accepted=4)
     plain_s = lost_s = worst = 0.0
     drafted = 0
     for _ in range(2000):
@@ -152,10 +154,7 @@ def test_a_catch_up_waits_for_the_last_ones_to_be_paid_back_but_never_stops_the_
     promised (`repaid`), every lagging row is caught up and drafting goes on; where it saves nothing,
     the next catch-up waits until plain steps have paid for the last (PROBE_SHARE of their time)."""
     costs = ScriptedCosts(verify_base=1.0, verify_token=0.01, draft_step=0.05, draft_token=0.0001)
-    policy = AdaptiveSpeculation(K, costs)
-    seqs = rows(2, budget=100_000)
-    teach(policy, seqs, accepted=4)
-    plain = policy.round_time(2, 0, 0)
+    policy, seqs, plain = taught_pair(costs, accepted=4)
     caught_up = rounds = 0
     for _ in range(300):
         plan = policy.plan(seqs, [0, 200])  # row 1 lags by a whole prompt
