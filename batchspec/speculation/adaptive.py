@@ -97,7 +97,8 @@ class AdaptiveSpeculation(Speculation):
         self.model = AcceptanceModel(k_max)
         # Seconds of probing earned: PROBE_SHARE of each plain step since the drafter last ran, less
         # what probes measured to cost beyond their prediction (`observe`), so probing stays within
-        # PROBE_SHARE of plain decoding's time even where catch-ups or verifies cost more than the table says.
+        # PROBE_SHARE of plain decoding's time even where catch-ups or verifies cost more than the table
+        # says.
         self.probe_credit = 0.0
         # Measured accounts, seconds, each capped at ACCOUNT_STEPS plain steps and raised by PROBE_SHARE
         # of every plain step: `draft_account`, what drafting rounds saved (+) or lost (-) against plain
@@ -163,9 +164,9 @@ class AdaptiveSpeculation(Speculation):
 
     def within_budget(self, steer: RoundSteering) -> None:
         """Fit this step's catch-ups into its allowance: the drafting rows' lags, smallest first (so
-        a catch-up begun in earlier steps, with little left, tends to finish first), as long as they fit; the first that does not is fed
-        what is left of the allowance as a piece (`RoundSteering.pieces`), and no row whose lag does
-        not fit drafts this round. Pieces go to short lags too: with an allowance under
+        a catch-up begun in earlier steps, with little left, tends to finish first), as long as they
+        fit; the first that does not is fed what is left of the allowance as a piece
+        (`RoundSteering.pieces`), and no row whose lag does not fit drafts this round. Pieces go to short lags too: with an allowance under
         SHARED_CATCH_UP, a short lag that waited for room to be fed whole would never be."""
         steer.feed = torch.zeros_like(steer.backlog)
         if steer.allowance is None:
@@ -254,9 +255,11 @@ class AdaptiveSpeculation(Speculation):
         that declined one round found the next dearer by the catch-up, and the next dearer still, and
         never drafted again). When the estimates say no, a one-draft probe of every row runs once the
         plain steps since the drafter last ran have taken 1 / PROBE_SHARE times what the probe costs
-        beyond a plain step, less what earlier probes cost beyond their prediction. Under a per-step budget the catch-ups are fitted into this step's
-        allowance first (`within_budget`); the pieces of the long ones chosen are fed even when the
-        round then does not draft, since they were chosen for the rounds after it."""
+        beyond a plain step, less what earlier probes cost beyond their prediction. No round drafts
+        (probes aside) while the drafting account is negative (`book`). Under a per-step budget the
+        catch-ups are fitted into this step's allowance first (`within_budget`); the pieces of the
+        long ones chosen are fed even when the round then does not draft, since they were chosen for
+        the rounds after it."""
         everyone = steer.caps.clone()
         rows = len(steer.seqs)
         plain = self.round_time(rows, 0, 0)
