@@ -256,10 +256,11 @@ class Engine:
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         self.stats.other_time += self.rows.clock() - t2
-        self._trace_round(seqs, catch_ups, self.rows.clock() - t0 - catch_up,
-                          drafter_steps=proposal.width, verify_width=draft.width,
-                          verified=draft.row_lengths().tolist(), emitted=count.tolist(),
-                          probe=plan.steer is not None and plan.steer.probe)
+        if self.trace.enabled:
+            self._trace_round(seqs, catch_ups, self.rows.clock() - t0 - catch_up,
+                              drafter_steps=proposal.width, verify_width=draft.width,
+                              verified=draft.row_lengths().tolist(), emitted=count.tolist(),
+                              probe=plan.steer is not None and plan.steer.probe)
 
     def _trace_round(self, seqs: list[Sequence], catch_ups: list[CatchUp], seconds: float, **fields: object) -> None:
         """The round's pieces for the step trace: each catch-up forward, then the round itself."""

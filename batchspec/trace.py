@@ -17,6 +17,8 @@ from typing import Any, TextIO
 class NullTrace:
     """Records nothing: the engine's recorder when no trace was asked for."""
 
+    enabled = False  # the engine skips building a record's fields (host copies of per-row counts)
+
     def begin(self, step: int) -> None:
         """Step `step` (0-based, per engine) starts now."""
 
@@ -40,6 +42,8 @@ class StepTrace(NullTrace):
     """Writes each record as one JSON line to `path` (truncated on open), flushed at once so that a
     run that is interrupted or crashes still leaves the steps up to that point. `context` fields are
     added to every record (the bench names the method and part it is running)."""
+
+    enabled = True
 
     def __init__(self, path: str | Path) -> None:
         self.file: TextIO = open(path, "w", encoding="utf-8")

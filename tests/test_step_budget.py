@@ -123,7 +123,7 @@ def test_whole_prompts_when_turned_off(tmp_path, monkeypatch):
 
 
 def test_trace_records_are_well_formed_and_cover_every_step(tmp_path):
-    """One record per piece; every step from 0 to the last has one, its timestamp is shared by its
+    """One record per piece; every step from 0 to the last has one, its timestamp is common to its
     pieces and never goes back; a round names its rows, drafter steps and verify width."""
     arch = "llama"
     prompts = random_prompts(4, [30, 4, 50, 7], seed=53)
