@@ -19,7 +19,7 @@ from .costs import Costs, measured_costs
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, NgramLookup, NoDrafter
 from .engine import Engine
 from .errors import BatchspecError
-from .kv import check_supported, context_limit, embedding_rows, is_stateful
+from .kv import PrefixCache, check_supported, context_limit, embedding_rows, is_stateful
 from .layouts import Layout, RaggedLayout
 from .methods import METHODS, layout_for
 from .rows import PooledRows, Rows
@@ -62,6 +62,7 @@ def build_engine(
         raise BatchspecError(f"chunked prefill (max_prefill_tokens) is not supported for {kind} (recurrent state) yet")
     # The default budget applies where chunked prefill is supported; recurrent-state models prefill whole.
     budget = None if stateful else spec.prefill_budget
+    cache_bytes = spec.prefix_cache_bytes(is_stateful(target))
     checker = None
     if spec.check_invariants:
         from .forensics.invariants import check_views
@@ -71,7 +72,8 @@ def build_engine(
         def layout(model: torch.nn.Module, rows: int, capacity: int) -> Layout:
             return layout_for(model, spec.method)(model, rows, capacity)
 
-    parts = Parts(target, spec, layout, draft_model=draft_model, drafter=drafter, costs=costs, prefill_budget=budget)
+    parts = Parts(target, spec, layout, draft_model=draft_model, drafter=drafter, costs=costs, prefill_budget=budget,
+                  prefix_cache=PrefixCache(cache_bytes) if cache_bytes else None)
     engine = method.engine_class()(spec, parts, stop_ids, checker=checker)
     if trace is not None:
         engine.trace = trace
@@ -91,6 +93,7 @@ class Parts:
         drafter: Drafter | None = None,
         costs: Costs | None = None,
         prefill_budget: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         check_supported(target)
         uses_model = spec.speculative and drafter is None and spec.drafter != "ngram"
@@ -107,6 +110,8 @@ class Parts:
         self.calibration_s = 0.0  # seconds the last `reserve` spent measuring costs
         # Tokens a step may feed besides its round (prompt chunks, drafter catch-ups); None: unbounded.
         self.prefill_budget = prefill_budget
+        # K/V of earlier prompts, shared by the target's rows and the drafter's (each its own space)
+        self.prefix_cache = prefix_cache
         models = [m for m in (target, self.draft_model) if m is not None]
         self.device = next(target.parameters()).device
         self.limit = min((x for x in map(context_limit, models) if x is not None), default=None)
@@ -137,6 +142,11 @@ class Parts:
                                     self.layout(self.target, group, capacity), drafter)
         else:
             kept = Rows(self.layout(self.target, rows, capacity), drafter)
+        if self.prefix_cache is not None:
+            if not isinstance(kept.home, RaggedLayout):
+                raise BatchspecError(f"the prefix cache needs per-row cursors; the target's rows are in "
+                                     f"{type(kept.home).__name__}")
+            kept.home.use_prefix_cache(self.prefix_cache, "target")
         adaptive = spec.speculative and spec.speculation == "adaptive"
         self.calibration_s = 0.0
         if adaptive and self.costs is None:
@@ -164,6 +174,9 @@ class Parts:
             layout = self.layout(self.draft_model, rows, capacity)
             lazy = spec.speculation == "adaptive" and isinstance(layout, RaggedLayout)
             model_drafter = ModelDrafter(layout, lazy=lazy)
+        home = model_drafter.pool or model_drafter.layout
+        if self.prefix_cache is not None and isinstance(home, RaggedLayout):
+            home.use_prefix_cache(self.prefix_cache, "drafter")
         if spec.drafter == "hybrid":
             return HybridDrafter(NgramLookup(spec.ngram_min, spec.ngram_max), model_drafter)
         return model_drafter

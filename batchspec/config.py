@@ -33,6 +33,11 @@ GROUP_SIZES = (32, 128)  # int4: inputs sharing one scale and zero
 # enters in ~8 steps. Much smaller chunks would pay each forward's fixed cost (every weight read
 # once, ~0.1-0.4 s) for few tokens and delay a new prompt's first token for little gain.
 DEFAULT_PREFILL_TOKENS = 128
+# Prefix cache budget (GB of K/V, target and drafter together) where `prefix_cache_gb` is None: what
+# `serve` runs by default. The bundled float32 target's K/V is ~57 KB a token, so 1 GB holds ~18,000
+# prompt tokens (a 1,000-token system prompt and a few dozen conversations); offline runs (`generate`,
+# the API, the bench) default to no cache, so timings never depend on what an earlier run left in it.
+DEFAULT_PREFIX_CACHE_GB = 1.0
 # The smallest sampling temperature (0 is greedy). Logits are divided by it in the model's dtype: at
 # 1e-38 float32 logits became inf and NaN and decoded EOS or token 0 forever, and a float16 logit of
 # 10 overflows below ~1.5e-4. vLLM raises temperatures below 0.01 to 0.01 for the same reason; a
@@ -180,6 +185,12 @@ class SpecConfig:
         choices=list(DRAFTERS))
     ngram_min: int = option(2, "prompt lookup: shortest context suffix to match (vLLM's prompt_lookup_min)", type=int)
     ngram_max: int = option(5, "prompt lookup: longest context suffix to match (vLLM's prompt_lookup_max)", type=int)
+    prefix_cache_gb: float | None = option(
+        0.0, "GiB of K/V (target and drafter) kept of prompts prefilled before, in blocks of 16 tokens, so a prompt "
+        "that starts the same (a shared system prompt, the next turn of a chat) prefills only the rest, with "
+        "outputs unchanged bit for bit; least recently used blocks go first; 0: off (default: 0; serve: "
+        f"{DEFAULT_PREFIX_CACHE_GB:g} where the method and model allow it: ragged, ar or exspec, no recurrent state)",
+        type=float)
 
     def __post_init__(self) -> None:
         for name in ("num_draft_tokens", "batch_size", "ngram_min", "ngram_max"):
@@ -222,6 +233,16 @@ class SpecConfig:
             raise BatchspecError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise BatchspecError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.prefix_cache_gb is not None:
+            _require_finite("prefix_cache_gb", self.prefix_cache_gb)
+            if self.prefix_cache_gb < 0:
+                raise BatchspecError(f"prefix_cache_gb must be >= 0 (0: off), got {self.prefix_cache_gb}")
+            if self.prefix_cache_gb > 0 and not method.prefix_cache:
+                able = ", ".join(n for n, m in METHODS.items() if m.prefix_cache)
+                raise BatchspecError(
+                    f"prefix_cache_gb needs rows that start at slot 0 ({able}); method {self.method} "
+                    + ("is deliberately wrong (kept for audits)" if method.deliberately_wrong else
+                       "keeps rows in a left-padded rectangle, where a row's slots shift with the others'"))
         if self.generator_seed is not None and not 0 <= self.generator_seed <= MAX_GENERATOR_SEED:
             raise BatchspecError(f"generator_seed must be in 0..2**64-1, got {self.generator_seed}")
 
@@ -241,6 +262,18 @@ class SpecConfig:
         if self.max_prefill_tokens is None:
             return DEFAULT_PREFILL_TOKENS if self.scheduler == "continuous" else None
         return self.max_prefill_tokens or None
+
+    def prefix_cache_bytes(self, stateful: bool) -> int:
+        """The prefix cache's budget in bytes for a target with (`stateful`) or without recurrent state:
+        `prefix_cache_gb`, or where it is None DEFAULT_PREFIX_CACHE_GB where the method and target allow
+        it, else 0 (off). Asked for explicitly, it is refused where it cannot work."""
+        if self.prefix_cache_gb is None:
+            usable = METHODS[self.method].prefix_cache and not stateful
+            return int(DEFAULT_PREFIX_CACHE_GB * 2**30) if usable else 0
+        if self.prefix_cache_gb > 0 and stateful:
+            raise BatchspecError("prefix_cache_gb is not supported for targets with recurrent state: a cached "
+                                 "prefix would need the state at each block boundary too (use 0)")
+        return int(self.prefix_cache_gb * 2**30)
 
     @property
     def max_drafts(self) -> int:

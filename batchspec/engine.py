@@ -181,11 +181,15 @@ class Engine:
     def _admit(self) -> int:
         """Prefill what the policy admits (`batchspec.prefill`) and start the prompts now complete;
         returns the prompt tokens fed."""
-        start, fed_before = self.rows.clock(), self.rows.home.prefill_fed
+        home = self.rows.home
+        start, fed_before = self.rows.clock(), home.prefill_fed
+        queries_before, hits_before = home.prefix_queries, home.prefix_hits
         for seqs, logits in self.prefill.run(self.waiting, len(self.running), self.rows, self.trace):
             self._start(seqs, logits)
-        fed = self.rows.home.prefill_fed - fed_before
+        fed = home.prefill_fed - fed_before
         self.stats.prefill_fed += fed
+        self.stats.prefix_cache_queries += home.prefix_queries - queries_before
+        self.stats.prefix_cache_hits += home.prefix_hits - hits_before
         self.stats.prefill_time += self.rows.clock() - start
         return fed
 
@@ -269,6 +273,7 @@ class Engine:
         if all(keep):
             return []
         finished = [s for s in self.running if s.finished]
+        self.rows.remember([i for i, s in enumerate(self.running) if s.finished], finished)
         self.speculation.forget(finished)
         order = self.rows.drop(keep)
         self.running = [self.running[i] for i in order]

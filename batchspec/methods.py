@@ -53,6 +53,9 @@ class Method:
     stateful_layout: str | None = None
     needs_state: bool = False  # only meaningful on a target with recurrent state
     default_speculation: str = "fixed"
+    # Rows live (between rounds) in per-row cursors from slot 0, where a prefix cache's K/V can be
+    # placed (`batchspec.kv.prefix`): the ragged layout, or EXSPEC's ragged pool.
+    prefix_cache: bool = False
 
     @property
     def default_scheduler(self) -> str:
@@ -69,12 +72,13 @@ METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("ar", "plain decoding, one token per row per forward (the baseline)", _RAGGED,
-               speculative=False, schedulers=("static", "continuous"), stateful_layout=_STATEFUL),
+               speculative=False, schedulers=("static", "continuous"), stateful_layout=_STATEFUL, prefix_cache=True),
         Method("eqspec", "left-padded rectangle realigned after every round (the paper's EQSPEC)", _PADDED),
         Method("ragged", "per-row KV cursors: commit moves a cursor, nothing is ever realigned", _RAGGED,
-               schedulers=("continuous", "static"), stateful_layout=_STATEFUL, default_speculation="adaptive"),
+               schedulers=("continuous", "static"), stateful_layout=_STATEFUL, default_speculation="adaptive",
+               prefix_cache=True),
         Method("exspec", "sequence pool; each round runs a same-length group when one exists (the paper's EXSPEC)",
-               _PADDED, schedulers=("pool",)),
+               _PADDED, schedulers=("pool",), prefix_cache=True),
         Method("naive-kv", "DELIBERATELY WRONG: rejected drafts' K/V stay in the cache",
                f"{_BROKEN}:KeptRejectedKVLayout", deliberately_wrong=True),
         Method("naive-positions", "DELIBERATELY WRONG: one position counter shared by the whole batch",

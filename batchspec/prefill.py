@@ -65,6 +65,7 @@ class Prefill:
                 if not taken:
                     break
                 self.staging = taken[0]
+                rows.begin_stage(self.staging.prompt_ids)  # its cached prefix costs no budget
             seq = self.staging
             start = rows.clock()
             chunk = seq.prompt_ids[rows.staged : rows.staged + budget]

@@ -48,6 +48,13 @@ class Rows:
         self.drafter.add(seqs)
         return logits
 
+    def begin_stage(self, prompt: list[int]) -> int:
+        """Start prefilling `prompt` in chunks: the tokens already in (its prefix from the prefix
+        cache, if any; the drafter's staging row is brought to the same count)."""
+        staged = self.home.begin_stage(prompt)
+        self.drafter.begin_stage(prompt, staged)
+        return staged
+
     def stage(self, chunk: list[int]) -> torch.Tensor:
         """The next chunk of the prompt being admitted; the target's logits at its last token [vocab]."""
         logits = self.home.stage(chunk)
@@ -62,6 +69,13 @@ class Rows:
     def discard_staged(self) -> None:
         self.home.discard_staged()
         self.drafter.discard_staged()
+
+    def remember(self, rows: list[int], seqs: list[Sequence]) -> None:
+        """Rows `rows` (holding `seqs`) are done: the home layout keeps the K/V of their committed
+        tokens in its prefix cache, if it has one, so a later prompt that continues one (the next
+        turn of a chat) finds it. The drafter's rows may lag, so only the target's are kept."""
+        for row, seq in zip(rows, seqs):
+            self.home.remember(row, seq.tokens[: seq.length - 1])
 
     def drop(self, keep: list[bool]) -> list[int]:
         """Remove rows where `keep` is False; the surviving rows' old indices, in their new order."""

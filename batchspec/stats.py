@@ -19,6 +19,10 @@ class EngineStats:
     generated: int = 0
     prefill_tokens: int = 0  # prompt tokens prefilled (target)
     prefill_fed: int = 0  # token positions the target's prefill forwards computed (prompt + padding)
+    # prompt tokens looked up in the target's prefix cache, and those it filled (not computed): in
+    # tokens, as vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits count them
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # measuring the cost model (once per machine and model, at the first reserve): in no phase above,
     # and left out of every tokens/s, end to end included
     calibration_s: float = 0.0

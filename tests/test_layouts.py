@@ -11,7 +11,7 @@ from tinyworld import VOCAB_SIZE, random_prompts, tiny_model
 
 from batchspec.kv import forward_all_positions, prefix_kv
 from batchspec.layouts import PaddedLayout, RaggedLayout
-from batchspec.layouts.base import equal_length_runs, swap_remove_order
+from batchspec.layouts.base import equal_runs, swap_remove_order
 
 TOL = 1e-4
 
@@ -33,8 +33,9 @@ def assert_row_holds(layout, row: int, prompt: list[int]) -> None:
     torch.testing.assert_close(cached, prefix_kv(layout.model, prompt), atol=TOL, rtol=TOL)
 
 
-def test_equal_length_runs_and_swap_remove_order():
-    assert equal_length_runs([[1], [2], [3, 4], [5], [6]]) == [(0, [[1], [2]]), (2, [[3, 4]]), (3, [[5], [6]])]
+def test_equal_runs_and_swap_remove_order():
+    assert equal_runs([1, 1, 2, 1, 1]) == [(0, 2), (2, 1), (3, 2)]
+    assert equal_runs([(3, 0), (3, 1)]) == [(0, 1), (1, 1)] and equal_runs([]) == []
     assert swap_remove_order([True, False, True, True, False, True]) == [0, 5, 2, 3]
     assert swap_remove_order([False, False]) == []
 

@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         "target_forwards": round(stats.verify_time, 3),
         "other": round(stats.other_time, 3),
     }
+    # prompt tokens sent, and those computed (the rest came from the prefix cache, --prefix-cache-gb)
+    summary["prompt_tokens"] = {"sent": stats.prefill_tokens, "computed": stats.prefill_fed,
+                                "prefix_cache_hits": stats.prefix_cache_hits}
     summary["decode_tokens_per_second"] = (
         round(stats.generated / stats.decode_time, 3) if stats.decode_time > 0 else None
     )

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a row; more are answered 429")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
     add_model_arguments(p)
-    add_decoding_arguments(p)
+    add_decoding_arguments(p, prefix_cache_gb=None)  # None: on where the method and model allow it
 
 
 def run(args: argparse.Namespace) -> int:

@@ -85,6 +85,10 @@ class Drafter(ABC):
         """The round runs without drafts: forget anything fed beyond the committed tokens, since the
         sequences will grow without this drafter seeing it (a later `propose` catches up)."""
 
+    def begin_stage(self, prompt: list[int], staged: int) -> None:
+        """Chunked prefill: the target starts staging `prompt` holding its first `staged` tokens
+        already (from the prefix cache); the next `stage` continues from there."""
+
     def stage(self, tokens: list[int]) -> None:
         """Chunked prefill: the next chunk of the prompt being admitted (fed to the target too)."""
 

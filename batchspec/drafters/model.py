@@ -216,6 +216,12 @@ class ModelDrafter(Drafter):
             valid = torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
             self.layout.save_rows(self.pool, rows, self.layout.lengths.clamp(max=valid))
 
+    def begin_stage(self, prompt: list[int], staged: int) -> None:
+        """The staging row is brought to the target's `staged` tokens: from this model's own prefix
+        cache where it holds them, fed otherwise (lazy rows hold nothing until drafted for)."""
+        if not self.lazy:
+            self._home.begin_stage(prompt, reach=staged)
+
     def stage(self, tokens: list[int]) -> None:
         if not self.lazy:
             self._home.stage(tokens)

@@ -163,6 +163,9 @@ class HybridDrafter(Drafter):
     def catch_ups(self) -> list[CatchUp]:
         return self.model.catch_ups()
 
+    def begin_stage(self, prompt: list[int], staged: int) -> None:
+        self.model.begin_stage(prompt, staged)
+
     def stage(self, tokens: list[int]) -> None:
         self.model.stage(tokens)
 

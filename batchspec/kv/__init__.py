@@ -4,7 +4,8 @@ conventions.
 Pinned to transformers 5.24: its cache API changes between minor versions (`cache=` replaced
 `past_key_values=` in 5.24, `cache_position` went away in 5.4, `crop` semantics changed in 5.15).
 Everything version-sensitive lives here so that an upgrade is a change to this package only:
-`slots` (the preallocated K/V buffers layouts address), `attention` (the batch-invariant attention
+`slots` (the preallocated K/V buffers layouts address), `prefix` (K/V
+of prompts prefilled before, reused by new rows), `attention` (the batch-invariant attention
 every forward runs), `forward` (how the engine and plain decoding call a model), `state` (recurrent
 state of stateful targets) and `support` (what a model is and whether it is supported).
 """
@@ -18,6 +19,7 @@ from .forward import (
     new_dynamic_cache,
     prefix_kv,
 )
+from .prefix import BLOCK_TOKENS, PrefixCache
 from .slots import SlotStore
 from .state import StatefulSlotStore, StateKey, StateStore, prefix_state
 from .support import (
@@ -31,7 +33,7 @@ from .support import (
 )
 
 __all__ = [
-    "EXACT_ATTENTION", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
+    "BLOCK_TOKENS", "EXACT_ATTENTION", "PrefixCache", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
     "attention_path", "causal_visible", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
     "forward_left_padded", "forward_plain", "forward_slots", "is_stateful", "new_dynamic_cache", "num_layers",
     "prefix_kv", "prefix_state", "use_exact_attention",

@@ -57,15 +57,15 @@ class SlotStore:
         self._rows = slice(0, 0)
         self._write_start: int | torch.Tensor = 0
 
-    def _allocate(self, key_states: torch.Tensor) -> None:
-        _, heads, _, dim = key_states.shape
-        need = self.num_layers * 2 * self.max_rows * heads * self.capacity * dim * key_states.element_size()
+    def _allocate(self, heads: int, dim: int, like: torch.Tensor) -> None:
+        """The buffer for `heads` K/V heads of `dim`, in `like`'s dtype and device."""
+        need = self.num_layers * 2 * self.max_rows * heads * self.capacity * dim * like.element_size()
         try:
             # zeros, not empty: masked slots are multiplied by 0 in attention and must never hold NaN.
             self.data = torch.zeros(
                 (self.num_layers, 2, self.max_rows, heads, self.capacity, dim),
-                dtype=key_states.dtype,
-                device=key_states.device,
+                dtype=like.dtype,
+                device=like.device,
             )
         except (RuntimeError, MemoryError) as err:
             raise BatchspecError(
@@ -86,7 +86,7 @@ class SlotStore:
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.data is None:
-            self._allocate(keys)
+            self._allocate(keys.shape[1], keys.shape[3], keys)
         assert self.data is not None
         if keys.shape[1] != self.data.shape[3] or keys.shape[3] != self.data.shape[5]:
             raise BatchspecError("models whose layers have different KV head shapes are not supported")
@@ -144,6 +144,15 @@ class SlotStore:
             picked.shape[0], picked.shape[1], -1, picked.shape[3], -1, picked.shape[5]
         )
         self.data[:, :, dst_rows, :, :width] = torch.gather(picked, 4, idx)
+
+    @torch.inference_mode()
+    def write_slots(self, row: int, start: int, kv: torch.Tensor) -> None:
+        """Slots [start, start + n) of row `row` <- kv [layers, 2, heads, n, dim] (K/V kept elsewhere,
+        e.g. a prefix cache's), allocating the buffer if no forward has yet."""
+        if self.data is None:
+            self._allocate(kv.shape[2], kv.shape[4], kv)
+        assert self.data is not None
+        self.data[:, :, row, :, start : start + kv.shape[3]] = kv
 
     def row_kv(self, row: int, start: int, length: int) -> torch.Tensor:
         """K/V of one row's slots [start, start+length): [layers, 2, heads, length, dim]."""

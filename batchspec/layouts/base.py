@@ -43,6 +43,9 @@ class Layout(ABC):
         self.last_positions: torch.Tensor | None = None
         self.last_visible: torch.Tensor | None = None
         self.prefill_fed = 0  # token positions computed by prefill forwards (prompt tokens + any padding)
+        # prompt tokens looked up in the prefix cache, and those whose K/V it filled (layouts using one)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     @property
     def num_rows(self) -> int:
@@ -75,21 +78,29 @@ class Layout(ABC):
         """Append one row per prompt, each computed at its own length (no padding is ever fed);
         returns each new row's last-position logits [k, vocab]."""
 
-    def _prefill_runs(self, prompts: list[list[int]], first_row: int, align_to: int | None = None) -> torch.Tensor:
+    def _prefill_runs(self, prompts: list[list[int]], first_row: int, align_to: int | None = None,
+                      cached: list[int] | None = None) -> torch.Tensor:
         """Prefill prompts into rows first_row, first_row + 1, ...: each run of consecutive prompts
-        of equal length is one forward (no padding). Rows start at slot 0, or end at slot `align_to`
-        (a left-padded rectangle), attending only to their own slots. Returns last-position logits."""
+        of equal length (and equal `cached`) is one forward (no padding). Rows start at slot 0, or end
+        at slot `align_to` (a left-padded rectangle), attending only to their own slots. `cached[i]`:
+        slots [0, cached[i]) of prompt i's row already hold its first tokens' K/V (from a prefix
+        cache), so only the rest is fed, at its own positions. Returns last-position logits."""
+        cached = cached or [0] * len(prompts)
         logits = []
-        for start, run in equal_length_runs(prompts):
-            size = len(run[0])
-            ids = torch.tensor(run, dtype=torch.long, device=self.device)
-            positions = torch.arange(size, device=self.device).expand(len(run), size)
+        for start, count in equal_runs([(len(p), c) for p, c in zip(prompts, cached)]):
+            size, skip = len(prompts[start]), cached[start]
+            ids = torch.tensor([p[skip:] for p in prompts[start : start + count]], dtype=torch.long, device=self.device)
+            positions = torch.arange(skip, size, device=self.device).expand(count, size - skip)
             offset = 0 if align_to is None else align_to - size
-            rows = slice(first_row + start, first_row + start + len(run))
-            out = self._run(rows, ids, positions, causal_visible(positions, size), offset, 1, kv_start=offset)
+            rows = slice(first_row + start, first_row + start + count)
+            out = self._run(rows, ids, positions, causal_visible(positions, size), offset + skip, 1, kv_start=offset)
             logits.append(out[:, -1])
             self.prefill_fed += ids.numel()
         return torch.cat(logits)
+
+    def begin_stage(self, prompt: list[int], reach: int | None = None) -> int:
+        """Chunked prefill: start staging `prompt`; what is in already (`staged`, 0 without a cache)."""
+        raise self._whole_prompts_only()
 
     def stage(self, tokens: list[int]) -> torch.Tensor:
         """Chunked prefill (see the contract): the chunk's last-position logits [vocab]."""
@@ -110,6 +121,10 @@ class Layout(ABC):
 
     @abstractmethod
     def commit(self, lengths: torch.Tensor) -> None: ...
+
+    def remember(self, row: int, ids: list[int]) -> None:
+        """Row `row` holds the K/V of `ids` from slot 0: a layout with a prefix cache keeps them there
+        (`RaggedLayout`); others keep nothing."""
 
     def counters(self) -> dict[str, float]:
         """Layout-specific running totals the engine reports in EngineStats.extra (e.g. the time a
@@ -167,14 +182,14 @@ def swap_remove_order(keep: list[bool]) -> list[int]:
     return [i if keep[i] else next(movers) for i in range(n)]
 
 
-def equal_length_runs(prompts: list[list[int]]) -> list[tuple[int, list[list[int]]]]:
-    """(index of the first, prompts) for each maximal run of consecutive prompts of equal length."""
-    runs: list[tuple[int, list[list[int]]]] = []
-    for i, prompt in enumerate(prompts):
-        if runs and len(runs[-1][1][0]) == len(prompt):
-            runs[-1][1].append(prompt)
+def equal_runs(keys: Sequence[object]) -> list[tuple[int, int]]:
+    """(index of the first, count) for each maximal run of consecutive equal keys."""
+    runs: list[tuple[int, int]] = []
+    for i, key in enumerate(keys):
+        if runs and keys[runs[-1][0]] == key:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
-            runs.append((i, [prompt]))
+            runs.append((i, 1))
     return runs
 
 

@@ -118,6 +118,7 @@ class EngineLoop:
         # as many rows as the policy uses, unless max_kv_slots caps them
         self.rows = engine.reserve(None, engine.slots_for(0, SamplingParams(max_new_tokens=max_model_len)))
         self.peak_running = 0  # the most rows ever decoding at once (never above `rows`)
+        self._prefix_counted = (0, 0)  # the engine's prefix cache queries and hits already in the metrics
         self.error: str | None = None
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards the fields below, shared with the HTTP side
@@ -224,6 +225,11 @@ class EngineLoop:
         """After a step: each request's new tokens, acceptance by draft position, finished requests."""
         self._running = len(self.engine.running)
         self.peak_running = max(self.peak_running, self._running)
+        stats = self.engine.stats
+        queries, hits = self._prefix_counted
+        self.metrics.prefix_cache_queries.inc(stats.prefix_cache_queries - queries)
+        self.metrics.prefix_cache_hits.inc(stats.prefix_cache_hits - hits)
+        self._prefix_counted = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         for seq in [*self.engine.running, *finished]:
             with self._lock:
                 handle = self._handles.get(seq.index)

@@ -39,6 +39,11 @@ class Metrics:
                                 buckets=E2E_BUCKETS).labels(**label)
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Prompt tokens of admitted requests.").labels(**label)
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "Generated tokens.").labels(**label)
+        # in tokens, as vLLM counts them: prompt tokens looked up, and those whose K/V the cache held
+        self.prefix_cache_queries = make(Counter, "vllm:prefix_cache_queries",
+                                         "Prefix cache queries, in prompt tokens looked up.").labels(**label)
+        self.prefix_cache_hits = make(Counter, "vllm:prefix_cache_hits",
+                                      "Prefix cache hits, in prompt tokens not computed.").labels(**label)
         success = make(Counter, "vllm:request_success", "Finished requests, by finish reason.", ("finished_reason",))
         self._success = {r: success.labels(finished_reason=r, **label) for r in FINISH_REASONS}
         self.num_drafts = make(Counter, "vllm:spec_decode_num_drafts", "Drafts proposed (one per row per round).") \
