@@ -14,6 +14,9 @@ from ..errors import BatchspecError
 from ..prompts import load_prompts
 from .common import add_prompt_format_argument, finite_float, positive_int
 
+WORKLOADS = ("prompts", "shared-prefix", "multi-turn")
+FOLLOW_UP = "Now shorten your answer to its three most important sentences."
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI API root")
@@ -32,7 +35,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at most")
     p.add_argument("--request-rate", type=finite_float,
                    help="Poisson arrivals per second (default: every request at once, within --concurrency)")
+    p.add_argument("--workload", choices=WORKLOADS, default="prompts",
+                   help="prompts: each prompt alone; shared-prefix: every request starts with one system prompt of "
+                   "--system-words words (from the prompts themselves); multi-turn: after each answer, a second turn "
+                   "(--follow-up) resends the conversation; compare a server's prefix cache (--prefix-cache-gb) on "
+                   "and off")
+    p.add_argument("--system-words", type=positive_int, default=750,
+                   help="shared-prefix: words of the shared system prompt (750: about 1,000 tokens)")
+    p.add_argument("--follow-up", default=FOLLOW_UP, help="multi-turn: the second user turn")
     p.add_argument("--json", help="also write the figures (and these settings) to this JSON file")
+
+
+def shared_system_prompt(texts: list[str], words: int) -> str:
+    """A system prompt of `words` words: an instruction, then the prompts' own text as reference
+    material (cycled if they are shorter), so its tokens are ordinary text for the model."""
+    pool = " ".join(texts).split() or ["text"]
+    body = [pool[i % len(pool)] for i in range(words)]
+    return "Answer using the reference material below where it helps.\n\n" + " ".join(body)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,13 +61,16 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--json {args.json}: its folder does not exist")
     if args.request_rate is not None and args.request_rate <= 0:
         raise BatchspecError(f"--request-rate must be > 0, got {args.request_rate}")
-    settings = BenchSettings(args.base_url, args.api_key, args.model, args.endpoint, args.max_tokens,
-                             args.temperature, args.seed, args.concurrency, args.request_rate)
     records = [r for r in load_prompts(args.prompts or SPECBENCH_FILE, args.format) if r.error is None]
     if not records:
         raise BatchspecError(f"no readable prompt in {args.prompts}")
     pool = [BenchPrompt(r.id, r.text, r.category, task_group(r.category), ()) for r in records]
     prompts = [p.text for p in select(pool, num_prompts=args.num_prompts)]
+    system = shared_system_prompt([r.text for r in records], args.system_words) \
+        if args.workload == "shared-prefix" else None
+    follow_up = args.follow_up if args.workload == "multi-turn" else None
+    settings = BenchSettings(args.base_url, args.api_key, args.model, args.endpoint, args.max_tokens,
+                             args.temperature, args.seed, args.concurrency, args.request_rate, system, follow_up)
     report = asyncio.run(run_bench(settings, prompts))
     print(format_report(report))
     if args.json:

@@ -4,8 +4,12 @@
 Figures follow vLLM's `bench serve`: TTFT is the time to the first chunk with content, TPOT the
 time after it divided by the remaining output tokens, ITL the gaps between successive chunks. A
 speculative server sends all the tokens a round accepts in one chunk, so ITL is per chunk (a gap
-can cover several tokens) and is not comparable to per-token ITL; TPOT is. The speculation
-counters are read from the server's /metrics before and after the run.
+can cover several tokens) and is not comparable to per-token ITL; TPOT is. The speculation and
+prefix cache counters are read from the server's /metrics before and after the run.
+
+Workloads that repeat prompt prefixes, for the prefix cache: every request may start with one shared
+system prompt (`BenchSettings.system`), and a conversation may have a second turn (`follow_up`), sent
+after the first answer arrives with the first turn and its answer resent before it, as chat clients do.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..errors import BatchspecError
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
+PREFIX_COUNTERS = ("vllm:prompt_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
@@ -41,6 +46,8 @@ class BenchSettings:
     seed: int | None = None  # request i gets seed + i
     concurrency: int | None = 4  # requests in flight at most (None: no bound)
     request_rate: float | None = None  # Poisson arrivals per second (None: all at once)
+    system: str | None = None  # a system prompt every request starts with
+    follow_up: str | None = None  # a second user turn, sent after the first turn's answer
 
 
 @dataclass
@@ -65,7 +72,8 @@ def metrics_url(base_url: str) -> str:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The speculation counters (summed over label sets; per position keyed `name[position]`)."""
+    """The speculation and prefix cache counters (summed over label sets; per position keyed
+    `name[position]`)."""
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode()
@@ -79,15 +87,17 @@ def scrape(url: str) -> dict[str, float]:
             name = sample.name[: -len("_total")]
             if name == PER_POSITION:
                 name = f"{name}[{sample.labels.get('position')}]"
-            elif name not in SPEC_COUNTERS:
+            elif name not in SPEC_COUNTERS + PREFIX_COUNTERS:
                 continue
             counters[name] = counters.get(name, 0.0) + sample.value
     return counters
 
 
 async def _one(
-    client: openai.AsyncOpenAI, settings: BenchSettings, model: str, prompt: str, index: int
+    client: openai.AsyncOpenAI, settings: BenchSettings, model: str, turns: list[str], index: int
 ) -> RequestResult:
+    """One request: `turns` alternate user and assistant texts (a first turn, or a first turn, its
+    answer and a follow-up), after the shared system prompt if any."""
     result = RequestResult()
     common = {"model": model, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
               "stream": True, "stream_options": {"include_usage": True}}
@@ -96,9 +106,12 @@ async def _one(
     start = time.perf_counter()
     try:
         if settings.endpoint == "chat":
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+            system = [{"role": "system", "content": settings.system}] if settings.system else []
+            messages = [{"role": "assistant" if i % 2 else "user", "content": t} for i, t in enumerate(turns)]
+            stream = await client.chat.completions.create(messages=system + messages, **common)
         else:
-            stream = await client.completions.create(prompt=prompt, **common)
+            text = "\n\n".join([*([settings.system] if settings.system else []), *turns])
+            stream = await client.completions.create(prompt=text, **common)
         async for chunk in stream:
             if chunk.usage is not None:
                 result.prompt_tokens = chunk.usage.prompt_tokens
@@ -130,11 +143,17 @@ async def run_bench(settings: BenchSettings, prompts: Seq[str]) -> dict:
         gate = asyncio.Semaphore(settings.concurrency) if settings.concurrency else None
         arrivals = random.Random(0)
 
-        async def limited(i: int, prompt: str) -> RequestResult:
+        async def conversation(i: int, prompt: str) -> list[RequestResult]:
+            first = await _one(client, settings, model, [prompt], i)
+            if settings.follow_up is None or first.error is not None:
+                return [first]
+            return [first, await _one(client, settings, model, [prompt, first.text, settings.follow_up], i)]
+
+        async def limited(i: int, prompt: str) -> list[RequestResult]:
             if gate is None:
-                return await _one(client, settings, model, prompt, i)
+                return await conversation(i, prompt)
             async with gate:
-                return await _one(client, settings, model, prompt, i)
+                return await conversation(i, prompt)
 
         start = time.perf_counter()
         tasks = []
@@ -142,16 +161,21 @@ async def run_bench(settings: BenchSettings, prompts: Seq[str]) -> dict:
             tasks.append(asyncio.create_task(limited(i, prompt)))
             if settings.request_rate and i + 1 < len(prompts):
                 await asyncio.sleep(arrivals.expovariate(settings.request_rate))
-        results = await asyncio.gather(*tasks)
+        conversations = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         after = scrape(metrics_url(settings.base_url))
     finally:
         await client.close()
-    report = summarize(results, duration)
+    report = summarize([r for c in conversations for r in c], duration)
+    firsts = [c[0] for c in conversations]
     report["prompts"] = list(prompts)
-    report["outputs"] = [r.text if r.error is None else None for r in results]  # one per prompt, in order
+    report["outputs"] = [r.text if r.error is None else None for r in firsts]  # one per prompt, in order
+    if settings.follow_up is not None:  # what the cache changes most: the second turn's first token
+        report["ttft_ms_by_turn"] = [percentiles([r.ttft for r in turn if r.ttft is not None])
+                                     for turn in (firsts, [c[1] for c in conversations if len(c) > 1])]
     report["model"] = model
     report["speculation"] = speculation(before, after)
+    report["prefix_cache"] = prefix_cache(before, after)
     return report
 
 
@@ -229,6 +253,15 @@ def speculation(before: dict[str, float], after: dict[str, float]) -> dict:
     }
 
 
+def prefix_cache(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The run's prompt tokens as the server counted them: sent, computed (not found in its prefix
+    cache) and the cache's hit rate (hits over queries, both in tokens, as vLLM counts them)."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in PREFIX_COUNTERS}
+    sent, queries, hits = (int(delta[k]) for k in PREFIX_COUNTERS)
+    return {"prompt_tokens_sent": sent, "prompt_tokens_computed": sent - hits,
+            "hit_rate": round(hits / queries, 4) if queries else None}
+
+
 def format_report(report: dict) -> str:
     """vLLM-style text table."""
     lines = ["=" * 18 + " Serving benchmark " + "=" * 18]
@@ -254,6 +287,13 @@ def format_report(report: dict) -> str:
         for stat in ("mean", "p50", "p90", "p99"):
             row(f"{stat.capitalize() if stat == 'mean' else stat.upper()} {short} (ms):", report[key][stat])
     lines.append("  (one chunk carries every token a round accepted, so a chunk gap can cover several tokens)")
+    for turn, figures in enumerate(report.get("ttft_ms_by_turn", []), 1):
+        row(f"P50 / P99 TTFT, turn {turn} (ms):", f"{figures['p50']} / {figures['p99']}")
+    cache = report["prefix_cache"]
+    lines.append(f"{' Prefix cache (server /metrics) ':-^55}")
+    row("Prompt tokens sent:", cache["prompt_tokens_sent"])
+    row("Prompt tokens computed:", cache["prompt_tokens_computed"])
+    row("Hit rate (tokens):", cache["hit_rate"])
     spec = report["speculation"]
     lines.append(f"{' Speculative decoding (server /metrics) ':-^55}")
     row("Drafts:", spec["drafts"])
