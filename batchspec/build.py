@@ -174,7 +174,7 @@ class Parts:
             layout = self.layout(self.draft_model, rows, capacity)
             lazy = spec.speculation == "adaptive" and isinstance(layout, RaggedLayout)
             model_drafter = ModelDrafter(layout, lazy=lazy)
-        home = model_drafter.pool or model_drafter.layout
+        home = model_drafter.pool if model_drafter.pool is not None else model_drafter.layout
         if self.prefix_cache is not None and isinstance(home, RaggedLayout):
             home.use_prefix_cache(self.prefix_cache, "drafter")
         if spec.drafter == "hybrid":

@@ -33,8 +33,8 @@ GROUP_SIZES = (32, 128)  # int4: inputs sharing one scale and zero
 # enters in ~8 steps. Much smaller chunks would pay each forward's fixed cost (every weight read
 # once, ~0.1-0.4 s) for few tokens and delay a new prompt's first token for little gain.
 DEFAULT_PREFILL_TOKENS = 128
-# Prefix cache budget (GB of K/V, target and drafter together) where `prefix_cache_gb` is None: what
-# `serve` runs by default. The bundled float32 target's K/V is ~57 KB a token, so 1 GB holds ~18,000
+# Prefix cache budget (GiB of K/V, target and drafter together) where `prefix_cache_gb` is None: what
+# `serve` runs by default. The bundled float32 target's K/V is ~57 KB a token, so 1 GiB holds ~18,000
 # prompt tokens (a 1,000-token system prompt and a few dozen conversations); offline runs (`generate`,
 # the API, the bench) default to no cache, so timings never depend on what an earlier run left in it.
 DEFAULT_PREFIX_CACHE_GB = 1.0
@@ -148,6 +148,8 @@ class SpecConfig:
     at most that many, as many as pay for themselves on measured costs. None: the method's default
     (`adaptive` for ragged, `fixed` for the paper's eqspec and exspec, as the paper runs them).
     drafter: `model` (the draft model), `ngram` (prompt lookup, no second model) or `hybrid`.
+    prefix_cache_gb: the prefix cache's budget (`batchspec.kv.prefix`); 0 off, None the default budget
+    where the method and target allow it (what `serve` runs), off elsewhere.
     """
 
     method: str = option("ragged", method_help(), choices=list(METHODS))

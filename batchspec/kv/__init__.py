@@ -19,7 +19,7 @@ from .forward import (
     new_dynamic_cache,
     prefix_kv,
 )
-from .prefix import BLOCK_TOKENS, PrefixCache
+from .prefix import PrefixCache
 from .slots import SlotStore
 from .state import StatefulSlotStore, StateKey, StateStore, prefix_state
 from .support import (
@@ -33,7 +33,7 @@ from .support import (
 )
 
 __all__ = [
-    "BLOCK_TOKENS", "EXACT_ATTENTION", "PrefixCache", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
+    "EXACT_ATTENTION", "PrefixCache", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
     "attention_path", "causal_visible", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
     "forward_left_padded", "forward_plain", "forward_slots", "is_stateful", "new_dynamic_cache", "num_layers",
     "prefix_kv", "prefix_state", "use_exact_attention",
