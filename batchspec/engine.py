@@ -213,7 +213,7 @@ class Engine:
         pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=self.rows.device)
         logits = self.rows.forward(torch.cat([pending, draft.tokens], dim=1))  # [b, 1 + drafts, vocab]
         t2 = self.rows.clock()
-        tokens, count = sampling.accept_round(draft, logits, seqs, self.randomness)  # row b emits tokens[b, :count[b]]
+        tokens, count = self._accept(draft, logits, seqs)
         self._commit(group, seqs, tokens, count, proposal, draft)
         t3 = self.rows.clock()
         catch_ups = self.rows.drafter.catch_ups()  # deferred prefills, not drafting
@@ -247,6 +247,11 @@ class Engine:
         else:
             proposal = drafter.propose(seqs, plan.steps, pick)
         return proposal, self.speculation.settle(plan, proposal)
+
+    def _accept(self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]], each row by its own rule
+        (the audit's deliberately wrong `naive-bonus` engine overrides this)."""
+        return sampling.accept_round(draft, logits, seqs, self.randomness)
 
     def _commit(self, group: list[int], seqs: list[Sequence], tokens: torch.Tensor, count: torch.Tensor,
                 proposal: Draft, draft: Draft) -> None:
