@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .costs import wall_clock
 from .drafters import Drafter
 from .layouts import Layout, LayoutView
 from .sequence import Sequence
@@ -34,7 +33,7 @@ class Rows:
         return self.layout.device
 
     def clock(self) -> float:
-        return wall_clock(self.home.model)
+        return self.home.clock()
 
     # ---- admission ----------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
