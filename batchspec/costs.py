@@ -49,6 +49,12 @@ CONTEXT = 8  # committed tokens per row while measuring: decode-like; prefilling
 # the cores ran just before), so it has to be matched.
 AGREEMENT = 0.10
 TRIES = 3
+# A timing is the mean of back-to-back forwards until MIN_TIMING_S has passed (at most MAX_REPEATS):
+# a forward of a few tens of milliseconds moves by more than AGREEMENT from one call to the next on
+# its own (timer, cache and clock jitter), so single short forwards rarely agree and their table
+# could never be cached. A forward longer than MIN_TIMING_S is timed alone, as before.
+MIN_TIMING_S = 0.15
+MAX_REPEATS = 8
 MAX_GRID = 3  # measured points per axis (rows; verify tokens); the rest is interpolated
 # Drafter forwards timed: its steps (1 and 2 tokens), a catch-up shared by all rows (at most
 # SHARED_CATCH_UP tokens) and a row's own catch-up (a deferred prefill of its prompt), extrapolated
@@ -57,8 +63,8 @@ MAX_GRID = 3  # measured points per axis (rows; verify tokens); the rest is inte
 DRAFT_TOKENS = [1, 2, SHARED_CATCH_UP, 128]
 # The calibration's budget: a table has at most MAX_GRID x MAX_GRID shapes (the drafter's one more,
 # its long catch-up on one row), each timed 2 to TRIES times, so a model pair costs at most
-# 2 x (MAX_GRID**2 + 1) x TRIES = 60 timed forwards (~40 on a quiet machine, where most shapes agree
-# at the second timing) plus a CONTEXT-token prefill and a warm-up forward per row count. For the
+# 2 x (MAX_GRID**2 + 1) x TRIES = 60 timings of max(one forward, MIN_TIMING_S) each (~40 on a quiet
+# machine, where most shapes agree at the second) plus a CONTEXT-token prefill and a warm-up per row count. For the
 # bundled pair at batch 4, K 5 on a 2-core CPU (a 1.5B forward 0.1-0.6 s, a 0.5B one 0.05-0.2 s, its
 # 128-token catch-up 0.3-0.7 s) that is ~10-20 s, at most ~30 s on a machine too busy to agree.
 # A measured table is cached only if it is monotone where physics says it must be: among forwards of
@@ -82,7 +88,7 @@ DRIFT = 0.25
 DRIFT_ROUNDS = 20
 # How tables are measured: part of the cache key, so a change to `measure` retires tables measured
 # the old way (docs/methods.md keeps the history).
-CALIBRATION_VERSION = 7
+CALIBRATION_VERSION = 8
 
 
 class Costs(Protocol):
@@ -298,14 +304,19 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
         layouts[r].prefill([ids] * r)
 
     def seconds(r: int, n: int) -> float:
+        """The mean time of forwards of r rows x n tokens (each from the same context) run back to
+        back until MIN_TIMING_S has passed or MAX_REPEATS ran."""
         layout = layouts[r]
         base = layout.lengths.clone()
         feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
         start = wall_clock(model)
-        layout.forward(feed, last_only=not all_logits)
-        elapsed = wall_clock(model) - start
-        layout.commit(base)
-        return elapsed
+        for repeats in range(1, MAX_REPEATS + 1):
+            layout.forward(feed, last_only=not all_logits)
+            layout.commit(base)
+            elapsed = wall_clock(model) - start
+            if elapsed >= MIN_TIMING_S:
+                break
+        return elapsed / repeats
 
     timed = shapes(rows, tokens, all_logits)
     timings: dict[tuple[int, int], list[float]] = {shape: [] for shape in timed}
@@ -471,7 +482,7 @@ def _calibrate(wanted: list[_Calibration], fresh: bool, measure_fn: Callable[...
     plans = ", ".join(f"{c.role} {type(c.model).__name__}: {n} shapes up to {c.rows} rows x {max(c.tokens)} tokens"
                       for c, n in zip(missing, counts))
     say(f"timing forwards once for this machine ({plans}; each until two timings agree, at most "
-        f"{TRIES * sum(counts)} forwards: ~10-30 s for the bundled pair on a 2-core CPU, less on a GPU; "
+        f"{TRIES * sum(counts)} timings: ~10-30 s for the bundled pair on a 2-core CPU, less on a GPU; "
         "left out of the decoding figures)")
     for c in missing:
         c.table = measure_fn(c.model, grid(c.rows), c.tokens, c.all_logits)

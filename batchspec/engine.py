@@ -20,10 +20,11 @@ from . import sampling
 from .admission import check_slots, token_ids, validate_prompt
 from .config import BatchspecError, SamplingParams, SpecConfig
 from .costs import Costs
-from .draft import CatchUp, Draft, empty_draft
+from .draft import Draft, empty_draft
 from .layouts import LayoutView
 from .logprobs import logprobs_of
 from .rows import Rows
+from .prefill import Prefill
 from .scheduler import make_scheduler
 from .sequence import Sequence
 from .speculation import RoundPlan, RoundTimes, Speculation
@@ -59,13 +60,10 @@ class Engine:
                                               cache_entries=2 * spec.batch_size * (self.k + 1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in the home layout's row order
-        self.staging: Sequence | None = None  # a prompt being prefilled in chunks
-        self.staged = 0  # how much of it is in
+        self.prefill = Prefill(self.scheduler, parts.prefill_budget)
         self.capacity: int | None = None  # K/V slots per row, once reserved
         self.rows: Rows  # once reserved
         self.speculation: Speculation
-        # Prompt and drafter catch-up tokens a step may feed besides its round (None: unbounded, whole prompts).
-        self.budget = parts.prefill_budget
         self.trace: NullTrace = NO_TRACE  # records what each step ran (`batchspec.trace`; build_engine sets it)
         self.steps = 0
         self._next_id = 0
@@ -101,7 +99,8 @@ class Engine:
         return request_id
 
     def _in_flight(self) -> list[Sequence]:
-        return [*self.waiting, *self.running, *([self.staging] if self.staging is not None else [])]
+        staging = self.prefill.staging
+        return [*self.waiting, *self.running, *([staging] if staging is not None else [])]
 
     def abort(self, request_id: int) -> Sequence | None:
         """Stop a request wherever it is (queued, being prefilled, decoding); its row is freed at once,
@@ -111,9 +110,8 @@ class Engine:
                 self.waiting.remove(seq)
                 seq.abort()
                 return seq
-        if self.staging is not None and self.staging.index == request_id:
-            seq, self.staging, self.staged = self.staging, None, 0
-            self.rows.discard_staged()
+        seq = self.prefill.abort(request_id, self.rows) if self.capacity is not None else None
+        if seq is not None:
             seq.abort()
             return seq
         for seq in self.running:
@@ -124,7 +122,7 @@ class Engine:
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.staging)
+        return bool(self.waiting or self.running or self.prefill.staging)
 
     def reserve(self, rows: int | None, capacity: int) -> int:
         """Allocate every layout once, `capacity` K/V slots per row, for `rows` sequences in flight
@@ -171,58 +169,26 @@ class Engine:
             self.reserve(len(self.waiting), max(self.slots_for(len(s.prompt_ids), s.params) for s in self.waiting))
         self.trace.begin(self.steps)
         self.steps += 1
-        fed = self._prefill()
+        fed = self._admit()
         finished = self._retire()
         if self.running:
-            allowance = None if self.budget is None else self.budget - fed
+            # Prompt and drafter catch-up tokens share one budget a step, besides the round itself.
+            allowance = None if self.prefill.budget is None else self.prefill.budget - fed
             self._round(self.scheduler.select(self.running, self.stats.rounds), allowance)
             finished += self._retire()
         self.stats.extra.update({**self.scheduler.counters(), **self.rows.counters()})
         return finished
 
-    def _free_rows(self) -> int:
-        return self.rows.max_rows - len(self.running) - (self.staging is not None)
-
-    def _prefill(self) -> int:
-        """Prefill newly admitted requests, each prompt at its own length (target and drafter): whole
-        prompts, or under the step's token budget at most that many prompt tokens per step, so one
-        long prompt never stalls the rows already decoding for long. Returns the prompt tokens fed."""
-        start = self.rows.clock()
-        fed_before = self.rows.home.prefill_fed
-        if self.budget is None:
-            admitted = self.scheduler.take(self.waiting, len(self.running), self._free_rows())
-            if admitted:
-                admitted.sort(key=lambda s: len(s.prompt_ids))  # equal lengths adjacent: one forward each
-                self._start(admitted, self.rows.prefill(admitted))
-                self.trace.record("prefill", self.rows.clock() - start, requests=[s.index for s in admitted],
-                                  tokens=[len(s.prompt_ids) for s in admitted], complete=True)
-        else:
-            self._prefill_chunks(self.budget)
+    def _admit(self) -> int:
+        """Prefill what the policy admits (`batchspec.prefill`) and start the prompts now complete;
+        returns the prompt tokens fed."""
+        start, fed_before = self.rows.clock(), self.rows.home.prefill_fed
+        for seqs, logits in self.prefill.run(self.waiting, len(self.running), self.rows, self.trace):
+            self._start(seqs, logits)
         fed = self.rows.home.prefill_fed - fed_before
         self.stats.prefill_fed += fed
         self.stats.prefill_time += self.rows.clock() - start
         return fed
-
-    def _prefill_chunks(self, budget: int) -> None:
-        while budget > 0:
-            if self.staging is None:
-                taken = self.scheduler.take(self.waiting, len(self.running), min(1, self._free_rows()))
-                if not taken:
-                    return
-                self.staging, self.staged = taken[0], 0
-            seq = self.staging
-            start = self.rows.clock()
-            chunk = seq.prompt_ids[self.staged : self.staged + budget]
-            logits = self.rows.stage(chunk)
-            self.staged += len(chunk)
-            budget -= len(chunk)
-            complete = self.staged == len(seq.prompt_ids)
-            if complete:
-                self.rows.unstage()
-                self.staging, self.staged = None, 0
-                self._start([seq], logits[None])
-            self.trace.record("prefill", self.rows.clock() - start, requests=[seq.index], tokens=[len(chunk)],
-                              complete=complete)
 
     def _start(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Rows whose prompt is in: the target's last prompt logits [b, vocab] give the first token."""
@@ -250,7 +216,7 @@ class Engine:
         pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=self.rows.device)
         logits = self.rows.forward(torch.cat([pending, draft.tokens], dim=1))  # [b, 1 + drafts, vocab]
         t2 = self.rows.clock()
-        tokens, count = self._accept(draft, logits, seqs)
+        tokens, count = sampling.accept_round(draft, logits, seqs, self.randomness)  # row b emits tokens[b, :count[b]]
         self._commit(group, seqs, tokens, count, proposal, draft, logits)
         t3 = self.rows.clock()
         catch_ups = self.rows.drafter.catch_ups()  # deferred prefills, not drafting
@@ -260,18 +226,10 @@ class Engine:
         self.stats.verify_time += t2 - t1
         self.stats.other_time += self.rows.clock() - t2
         if self.trace.enabled:
-            self._trace_round(seqs, catch_ups, self.rows.clock() - t0 - catch_up,
-                              drafter_steps=proposal.width, verify_width=draft.width,
-                              verified=draft.row_lengths().tolist(), emitted=count.tolist(),
-                              probe=plan.steer is not None and plan.steer.probe)
-
-    def _trace_round(self, seqs: list[Sequence], catch_ups: list[CatchUp], seconds: float, **fields: object) -> None:
-        """The round's pieces for the step trace: each catch-up forward, then the round itself."""
-        ids = [s.index for s in seqs]
-        for c in catch_ups:
-            self.trace.record("catch_up", c.seconds, requests=[ids[b] for b in c.rows], tokens=c.tokens,
-                              shared=c.shared, complete=c.complete)
-        self.trace.record("round", seconds, requests=ids, **fields)
+            self.trace.record_round([s.index for s in seqs], catch_ups, self.rows.clock() - t0 - catch_up,
+                                    drafter_steps=proposal.width, verify_width=draft.width,
+                                    verified=draft.row_lengths().tolist(), emitted=count.tolist(),
+                                    probe=plan.steer is not None and plan.steer.probe)
 
     def _plan(self, seqs: list[Sequence], allowance: int | None) -> RoundPlan:
         if self.k == 0:  # plain decoding: nothing to plan
@@ -292,10 +250,6 @@ class Engine:
         else:
             proposal = drafter.propose(seqs, plan.steps, pick)
         return proposal, self.speculation.settle(plan, proposal)
-
-    def _accept(self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]] (each row by its own rule)."""
-        return sampling.accept_round(draft, logits, seqs, self.randomness)
 
     def _commit(self, group: list[int], seqs: list[Sequence], tokens: torch.Tensor, count: torch.Tensor,
                 proposal: Draft, draft: Draft, logits: torch.Tensor) -> None:

@@ -33,6 +33,11 @@ class Rows:
     def device(self) -> torch.device:
         return self.layout.device
 
+    @property
+    def staged(self) -> int:
+        """Prompt tokens of the prompt being prefilled in chunks that are already in."""
+        return self.home.staged
+
     def clock(self) -> float:
         return wall_clock(self.home.model)
 

@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from .draft import CatchUp
 
 
 class NullTrace:
@@ -24,6 +28,14 @@ class NullTrace:
 
     def record(self, piece: str, seconds: float, **fields: Any) -> None:
         """One piece of the current step: its kind, wall seconds and what it ran."""
+
+    def record_round(self, requests: list[int], catch_ups: Iterable[CatchUp], seconds: float, **fields: Any) -> None:
+        """A round's pieces: each drafter catch-up forward (`rows` index into `requests`), then the
+        round itself."""
+        for c in catch_ups:
+            self.record("catch_up", c.seconds, requests=[requests[b] for b in c.rows], tokens=c.tokens,
+                        shared=c.shared, complete=c.complete)
+        self.record("round", seconds, requests=requests, **fields)
 
     def close(self) -> None:
         """Nothing more will be recorded."""

@@ -119,6 +119,18 @@ def test_each_shape_is_timed_until_two_timings_agree(monkeypatch):
     assert len(table.doubts) == 1 and table.doubts[0].startswith("2x1's timings never agreed (1000.0, 2000.0")
 
 
+def test_short_forwards_are_timed_as_runs_long_enough_to_agree(monkeypatch):
+    """A forward of a few tens of milliseconds jitters by more than AGREEMENT from call to call: one
+    forward per timing (20 vs 40 ms here) would never agree. A timing is the mean of forwards run back
+    to back until MIN_TIMING_S has passed (6 here), at most MAX_REPEATS (a 1 ms forward: 8)."""
+    forwards = scripted_clock(monkeypatch, {(1, 1): [0.02, 0.04] * 100, (1, 2): [0.001]})
+    table = measure(tiny_model("qwen2", vocab_size=50), [1], [1, 2], all_logits=True)
+    assert costs_module.MIN_TIMING_S == 0.15 and costs_module.MAX_REPEATS == 8
+    assert forwards.count((1, 1)) == 6 * 3  # the warm-up, then two timings that agree
+    assert table(1, 1) == pytest.approx(0.03) and table.doubts == []
+    assert forwards.count((1, 2)) == 8 * 2 and table(1, 2) == pytest.approx(0.001)
+
+
 def test_a_drafters_long_catch_up_is_timed_on_one_row_only(monkeypatch):
     """Catch-ups longer than SHARED_CATCH_UP run one row at a time: no forward of several rows that
     long is timed (the bundled drafter's 4 x 128 tokens would be the dearest shape of a calibration),
@@ -220,7 +232,7 @@ def test_calibration_says_what_it_times_and_how_long_it_took(tmp_path, monkeypat
     assert len(lines) == 2
     assert lines[0].startswith("batchspec: timing forwards once") and "target Qwen2ForCausalLM: 9 shapes" in lines[0]
     assert "drafter LlamaForCausalLM: 10 shapes up to 4 rows x 128 tokens" in lines[0]
-    assert f"at most {19 * costs_module.TRIES} forwards" in lines[0]  # the bound, stated
+    assert f"at most {19 * costs_module.TRIES} timings" in lines[0]  # the bound, stated
     assert lines[1].startswith("batchspec: cost calibration took ") and f"cached in {tmp_path}" in lines[1]
     monkeypatch.setattr(costs_module, "_MEMO", {})
     costs = measured_costs(target, draft, 4, 5, measure_fn=linear_fake())

@@ -395,7 +395,7 @@ def test_abort_at_every_stage_frees_the_row_and_leaks_nothing():
     assert engine.abort(ids[5]).finish_reason == "abort"  # still queued
     engine.step()  # 4 tokens of prompt 0 (of 5)
     engine.step()  # prompt 0 done, 3 tokens of prompt 1 (of 13): prompt 1 is being staged
-    assert engine.staging is not None and engine.staging.index == ids[1]
+    assert engine.prefill.staging is not None and engine.prefill.staging.index == ids[1]
     assert engine.abort(ids[1]).finish_reason == "abort"
     engine.step()
     running = [s.index for s in engine.running]
@@ -422,7 +422,7 @@ def test_chunked_prefill_interleaves_a_long_prompt_with_decode_rounds():
     engine.step()
     engine.add_request(long, SamplingParams(max_new_tokens=5))
     fed, rounds, finished = [], [], {}
-    while engine.staging is not None or engine.waiting:
+    while engine.prefill.staging is not None or engine.waiting:
         before_fed, before_rounds = engine.stats.prefill_fed, engine.stats.rounds
         finished.update({s.index: s for s in engine.step()})
         fed.append(engine.stats.prefill_fed - before_fed)

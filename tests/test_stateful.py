@@ -195,7 +195,7 @@ def test_default_chunked_prefill_falls_back_to_whole_prompts_for_recurrent_state
     spec = SpecConfig(speculation="fixed", method="ragged", num_draft_tokens=3, batch_size=2, scheduler="continuous")
     assert spec.prefill_budget == DEFAULT_PREFILL_TOKENS
     engine = build_engine(target(arch), spec, draft_model=drafter(arch, "stateful"))
-    assert engine.budget is None
+    assert engine.prefill.budget is None
     prompts = random_prompts(3, [40, 3, 25], seed=5)
     params = [SamplingParams(max_new_tokens=6)] * 3
     assert_exact(arch, prompts, engine.generate(prompts, params), params)

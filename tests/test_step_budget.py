@@ -96,7 +96,7 @@ def test_the_default_budget_bounds_every_step(tmp_path, monkeypatch):
     spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2)
     path = tmp_path / "trace.jsonl"
     engine, outputs, fed_alone = run_traced(arch, spec, prompts, budgets, path, monkeypatch)
-    assert engine.budget == DEFAULT_PREFILL_TOKENS
+    assert engine.prefill.budget == DEFAULT_PREFILL_TOKENS
     assert_plain(arch, prompts, outputs, budgets)
     assert max(fed_alone.values()) <= DEFAULT_PREFILL_TOKENS
     records = read_trace(path)
@@ -114,7 +114,7 @@ def test_whole_prompts_when_turned_off(tmp_path, monkeypatch):
     spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2, speculation="adaptive", max_prefill_tokens=0)
     path = tmp_path / "trace.jsonl"
     engine, outputs, _ = run_traced(arch, spec, prompts, budgets, path, monkeypatch)
-    assert engine.budget is None
+    assert engine.prefill.budget is None
     assert_plain(arch, prompts, outputs, budgets)
     records = read_trace(path)
     prefills = [r for r in records if r["piece"] == "prefill"]

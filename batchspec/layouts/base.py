@@ -31,6 +31,8 @@ class Layout(ABC):
     whose logits are discarded), so the checker sees every query's real position.
     """
 
+    staged = 0  # tokens in the staging row (layouts that cannot stage never have any)
+
     def __init__(self, model: torch.nn.Module, max_rows: int, capacity: int) -> None:
         use_exact_attention(model)  # the same attention bits as plain decoding's (`batchspec.reference`)
         self.model = model

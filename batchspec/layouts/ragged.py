@@ -18,10 +18,6 @@ class RaggedLayout(Layout):
     """Rows [0, num_rows) take part in rounds. A prompt prefilled in chunks (`stage`) is built in
     row num_rows, outside every round, and joins as the last row when complete (`unstage`)."""
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, capacity: int) -> None:
-        super().__init__(model, max_rows, capacity)
-        self.staged = 0  # prompt tokens already in the staging row
-
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """Append rows, each prompt written from slot 0 at its own length."""
         logits = self._prefill_runs(prompts, self.num_rows)
