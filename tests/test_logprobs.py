@@ -23,7 +23,7 @@ from batchspec.kernels import apply_linear_kernel
 from batchspec.config import MAX_LOGPROBS, BatchspecError, ModelConfig, SamplingParams, SpecConfig, choice_params
 from batchspec.llm import LLM
 from batchspec.logprobs import TokenLogprob, logprobs_of, token_logprob
-from batchspec.models import load_pair
+from batchspec.models import eos_token_ids, load_pair
 from batchspec.reference import prompt_logprobs, reference_decode, reference_logprobs
 
 STOP = (1,)
@@ -247,15 +247,18 @@ def test_generate_writes_logprobs_and_refuses_out_of_range(tiny_pair_dirs, tmp_p
               "--no-chat-template", "--max-new-tokens", "6", "-k", "2", "--batch-size", "2"]
     assert cli_main([*common, "-o", str(out), "--logprobs", "2", "--verify"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    model = load_pair(ModelConfig(str(target_dir), str(draft_dir)), need_draft=False).target
+    loaded = load_pair(ModelConfig(str(target_dir), str(draft_dir)), need_draft=False)
+    model, stop_ids = loaded.target, eos_token_ids(loaded.target, loaded.tokenizer)
     for row in rows:
         assert len(row["logprobs"]) == len(row["token_ids"])
         got = [TokenLogprob(e["token_id"], e["logprob"], tuple(map(tuple, e["top"]))) for e in row["logprobs"]]
         tokens, expected = reference_logprobs(model, row["prompt_token_ids"], SamplingParams(max_new_tokens=6, logprobs=2),
-                                              [1])
+                                              stop_ids)
         assert row["token_ids"] == tokens
         assert_bit_equal(got, expected, row["id"])  # JSON keeps every float's bits
     capsys.readouterr()
     assert cli_main([*common, "--logprobs", "21"]) != 0
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "logprobs must be in 0..20" in err
+    assert cli_main([*common, "--logprobs", "1", "--ray"]) != 0
+    assert "--logprobs is not carried back from Ray workers" in capsys.readouterr().err
