@@ -43,6 +43,9 @@ DEFAULT_PREFIX_CACHE_GB = 1.0
 # 10 overflows below ~1.5e-4. vLLM raises temperatures below 0.01 to 0.01 for the same reason; a
 # request is refused instead, so that what it asked for is never silently changed.
 MIN_TEMPERATURE = 0.01
+# Alternatives (most likely tokens) a position's logprobs may list: OpenAI's `top_logprobs` maximum
+# and vLLM's default `max_logprobs`.
+MAX_LOGPROBS = 20
 # torch.Generator.manual_seed takes 0 .. 2**64 - 1 (a larger seed raised "Overflow" deep inside torch).
 MAX_GENERATOR_SEED = 2**64 - 1
 
@@ -304,11 +307,24 @@ class SamplingParams:
     seed: int | None = option(None, "seeded sampling, token-identical to plain seeded sampling (on the command "
                               "line a base: request i gets seed + i)", type=int)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Log-probabilities (`batchspec.logprobs`): None: none; k: each generated token's, with the k most
+    # likely alternatives at its position (0..MAX_LOGPROBS). Not options of every command (a bench
+    # would pay for them): `generate --logprobs` adds its own.
+    logprobs: int | None = None
+    # The same for the prompt's tokens (each given the tokens before it; the first has none), computed
+    # by one plain forward of the prompt (`reference.prompt_logprobs`), as OpenAI's `echo` reports them.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k"):
             _require_int(name, getattr(self, name))
-        _require_int("seed", self.seed, optional=True)
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            _require_int(name, getattr(self, name), optional=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise BatchspecError(f"{name} must be in 0..{MAX_LOGPROBS} (alternatives per token; None: no "
+                                     f"logprobs), got {value}")
         for name in ("temperature", "top_p"):
             _require_finite(name, getattr(self, name))
         if self.max_new_tokens < 1:
@@ -332,3 +348,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The requests behind n choices of one request (OpenAI's `n`): choice i is decoded as the same
+    request with seed `seed + i`, so each seeded choice is token-identical to that request sent alone
+    with that seed (the rule `generate --seed` uses for its prompts). Unseeded choices are n independent
+    samples; greedy ones are n identical decodes."""
+    if n < 1:
+        raise BatchspecError(f"n must be >= 1, got {n}")
+    return [params if params.seed is None else replace(params, seed=params.seed + i) for i in range(n)]

@@ -22,6 +22,7 @@ from .config import BatchspecError, SamplingParams, SpecConfig
 from .costs import Costs
 from .draft import Draft, empty_draft
 from .layouts import LayoutView
+from .logprobs import logprobs_of
 from .rows import Rows
 from .prefill import Prefill
 from .scheduler import make_scheduler
@@ -196,8 +197,10 @@ class Engine:
     def _start(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Rows whose prompt is in: the target's last prompt logits [b, vocab] give the first token."""
         first = sampling.choose_tokens(logits, seqs, 0, self.randomness).tolist()
-        for s, token in zip(seqs, first):
+        for b, (s, token) in enumerate(zip(seqs, first)):
             s.extend([token])
+            if s.logprobs is not None:  # only rows that asked pay for them
+                s.logprobs += logprobs_of(logits[b, None], s.params, [token], s.params.logprobs)
             self.stats.prefill_tokens += len(s.prompt_ids)
         self.running.extend(seqs)
 
@@ -217,8 +220,8 @@ class Engine:
         pending = torch.tensor([s.tail(1) for s in seqs], dtype=torch.long, device=self.rows.device)
         logits = self.rows.forward(torch.cat([pending, draft.tokens], dim=1))  # [b, 1 + drafts, vocab]
         t2 = self.rows.clock()
-        tokens, count = sampling.accept_round(draft, logits, seqs, self.randomness)  # row b emits tokens[b, :count[b]]
-        self._commit(group, seqs, tokens, count, proposal, draft)
+        tokens, count = self._accept(draft, logits, seqs)
+        self._commit(group, seqs, tokens, count, proposal, draft, logits)
         t3 = self.rows.clock()
         catch_ups = self.rows.drafter.catch_ups()  # deferred prefills, not drafting
         catch_up = sum(c.seconds for c in catch_ups)
@@ -252,12 +255,21 @@ class Engine:
             proposal = drafter.propose(seqs, plan.steps, pick)
         return proposal, self.speculation.settle(plan, proposal)
 
+    def _accept(self, draft: Draft, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [b, k+1] and counts [b]: row b emits tokens[b, :count[b]], each row by its own rule
+        (the audit's deliberately wrong `naive-bonus` engine overrides this)."""
+        return sampling.accept_round(draft, logits, seqs, self.randomness)
+
     def _commit(self, group: list[int], seqs: list[Sequence], tokens: torch.Tensor, count: torch.Tensor,
-                proposal: Draft, draft: Draft) -> None:
-        """Each row takes its accepted tokens; both models keep the K/V of what was accepted."""
+                proposal: Draft, draft: Draft, logits: torch.Tensor) -> None:
+        """Each row takes its accepted tokens; both models keep the K/V of what was accepted. A row that
+        asked for logprobs gets those of the tokens it took (fewer than emitted where a stop token or
+        its budget ends it), slot j's logits [b, j] being the ones that chose its j-th token."""
         rounds = zip(seqs, tokens.tolist(), count.tolist(), proposal.row_lengths().tolist(), draft.row_lengths().tolist())
-        for s, toks, n, offered, chosen in rounds:
+        for b, (s, toks, n, offered, chosen) in enumerate(rounds):
             taken, accepted = s.record_round(toks[:n], offered, chosen)
+            if s.logprobs is not None:
+                s.logprobs += logprobs_of(logits[b, :taken], s.params, toks[:taken], s.params.logprobs)
             self.stats.drafted += chosen
             self.stats.accepted += accepted
             self.stats.generated += taken

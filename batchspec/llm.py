@@ -16,7 +16,9 @@ from .build import build_engine
 from .config import BatchspecError, ModelConfig, SamplingParams, SpecConfig, resolve_drafter
 from .costs import Costs
 from .engine import Engine
+from .logprobs import TokenLogprob
 from .models import ModelPair, encode_prompt, eos_token_ids, load_pair
+from .reference import prompt_logprobs
 from .sequence import Sequence
 from .stats import EngineStats
 from .trace import NullTrace
@@ -43,6 +45,10 @@ class RequestOutput:
     time_to_first_token: float | None = None
     latency: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds since the run started, per token
+    # With SamplingParams.logprobs: one entry per generated token; with prompt_logprobs: one per prompt
+    # token (None for the first). Equal bit for bit to plain decoding's (`batchspec.logprobs`).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -147,6 +153,10 @@ class LLM:
             time_to_first_token=(seq.first_token_time or start) - start,
             latency=(seq.finish_time or start) - start,
             token_times=[round(t - start, 6) for t in seq.token_times],
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            # a property of the prompt alone: one plain forward of it, never the engine's prefill
+            prompt_logprobs=(None if seq.params.prompt_logprobs is None
+                             else prompt_logprobs(self.models.target, seq.prompt_ids, seq.params)),
         )
 
 

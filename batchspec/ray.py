@@ -38,7 +38,9 @@ except ImportError as _err:  # the optional extra is not installed
     raise BatchspecError("Ray is not installed: pip install 'batchspec[ray]'") from _err
 
 # The columns `batchspec generate` writes, in its order, with types fixed so that every block has
-# the same schema (an all-null `error` column must still be a string column for Parquet).
+# the same schema (an all-null `error` column must still be a string column for Parquet). Logprobs
+# are not among them: rows cannot ask for them (SAMPLING_COLUMNS), and `generate --ray --logprobs`
+# is refused.
 OUTPUT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),

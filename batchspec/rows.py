@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .costs import wall_clock
 from .drafters import Drafter
 from .layouts import Layout, LayoutView
 from .sequence import Sequence
@@ -39,7 +38,7 @@ class Rows:
         return self.home.staged
 
     def clock(self) -> float:
-        return wall_clock(self.home.model)
+        return self.home.clock()
 
     # ---- admission ----------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .config import SamplingParams
+
+if TYPE_CHECKING:
+    from .logprobs import TokenLogprob
 
 
 @dataclass
@@ -29,6 +33,12 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each generated token was emitted
     finish_time: float | None = None
+    # one entry per generated token when params.logprobs asks for them (the engine fills it), else None
+    logprobs: list[TokenLogprob] | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def tokens(self) -> list[int]:

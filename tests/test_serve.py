@@ -332,8 +332,8 @@ def test_errors_have_openai_shape_and_right_status(server) -> None:
         (json.dumps({**ok, "prompt": [5, 999]}), 400, "not in the model's vocabulary"),
         (json.dumps({**ok, "prompt": ""}), 400, "empty prompt"),
         (json.dumps({**ok, "prompt": ["the", "water"]}), 400, "one prompt per request"),
-        (json.dumps({**ok, "n": 2}), 400, "n=2 is not supported"),
-        (json.dumps({**ok, "logprobs": 3}), 400, "logprobs"),
+        (json.dumps({**ok, "n": 9}), 400, "n must be in 1..8"),
+        (json.dumps({**ok, "logprobs": 30}), 400, "logprobs must be in 0..20"),
         (json.dumps({**ok, "model": "gpt-4"}), 404, "does not exist"),
         (json.dumps({"model": MODEL, "max_tokens": 4}), 400, "prompt"),
     ]
@@ -397,7 +397,7 @@ def test_dead_engine_loop_answers_503(models, chat_pair) -> None:
     *(("/v1/completions", f, v) for f, v in [
         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
         ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2), ("min_tokens", 3),
-        ("ignore_eos", True), ("echo", True), ("best_of", 2), ("suffix", "x"), ("min_p", 0.1)]),
+        ("ignore_eos", True), ("best_of", 2), ("suffix", "x"), ("min_p", 0.1)]),
     *(("/v1/chat/completions", f, v) for f, v in [
         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_schema"}),
         ("repetition_penalty", 0.9), ("min_tokens", 1), ("ignore_eos", 1), ("echo", True), ("best_of", 3),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from ..config import BatchspecError, SamplingParams, SpecConfig, resolve_drafter
+from ..config import MAX_LOGPROBS, BatchspecError, SamplingParams, SpecConfig, resolve_drafter
 from ..llm import LLM, RequestOutput
 from ..models import weights_report
 from ..prompts import PromptRecord, load_prompts
@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_decoding_arguments(p)
     add_sampling_arguments(p)
+    p.add_argument("--logprobs", type=int, metavar="N", help="record each generated token's logprob and the N most "
+                   f"likely tokens' at its position (0..{MAX_LOGPROBS}), equal bit for bit to plain decoding's: the "
+                   "target's log-softmax, after temperature/top-k/top-p when sampling (field `logprobs`)")
     add_ray_arguments(p)
 
 
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ray and args.verify:
         raise BatchspecError("--verify decodes every prompt again on this machine; with --ray, run "
                              "`batchspec audit` on the output instead")
+    if args.ray and args.logprobs is not None:
+        raise BatchspecError("--logprobs is not carried back from Ray workers; run without --ray")
     if args.ray and args.trace:
         raise BatchspecError("--trace records the engine of this process; with --ray the engines run in the workers")
     if args.trace:
@@ -102,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     opened = ResumableOutput(args.output, args.resume, {"--prompts": args.prompts}) if args.output else None
     with opened or contextlib.nullcontext() as output, StepTrace(args.trace) if args.trace else NullTrace() as trace:
         previous = output.kept(records, args.keep_errors) if output else {}
+        previous = {key: row for key, row in previous.items() if _same_logprobs(row, args.logprobs)}
         todo = [i for i, r in enumerate(records) if r.id not in previous]
         decoded = _decode(args, spec, records, params, todo, output, trace)
         rows = [_row(r, decoded.outputs[i]) if i in decoded.outputs else previous[r.id] for i, r in enumerate(records)]
@@ -197,6 +203,16 @@ def _decode(
             bar.update(1)
     decoded.wall = time.perf_counter() - start
     return decoded
+
+
+def _same_logprobs(row: dict, logprobs: int | None) -> bool:
+    """Whether an earlier record has the logprobs this run asks for (with N alternatives each): a
+    resumed run must not mix records with and without them."""
+    entries = row.get("logprobs")
+    if row.get("error") is not None or (entries is None and logprobs is None):
+        return True
+    return entries is not None and logprobs is not None and all(
+        isinstance(e, dict) and len(e.get("top", ())) == logprobs for e in entries)
 
 
 def _row(record: PromptRecord, out: RequestOutput) -> dict:

@@ -69,13 +69,19 @@ RECORD_FIELDS: dict[str, Callable[[object], bool]] = {
     "accepted": _is_int, "proposed_k": _is_ints, "chosen_k": _is_ints, "accepted_k": _is_ints,
     "time_to_first_token": lambda v: v is None or _is_number(v), "latency": lambda v: v is None or _is_number(v),
     "token_times": lambda v: isinstance(v, list) and all(map(_is_number, v)),
+    "logprobs": lambda v: v is None or isinstance(v, list),
+    "prompt_logprobs": lambda v: v is None or isinstance(v, list),
 }
+# Fields newer than the records earlier versions wrote: a record without them is whole (it has none).
+LATER_FIELDS = ("logprobs", "prompt_logprobs")
 
 
 def record_problem(row: dict) -> str | None:
     """Why `row` is not a whole record of `generate`, or None."""
     for name, valid in RECORD_FIELDS.items():
         if name not in row:
+            if name in LATER_FIELDS:
+                continue
             return f"no `{name}`"
         if not valid(row[name]):
             return f"`{name}` has the wrong type"

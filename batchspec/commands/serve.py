@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 from ..config import BatchspecError, SpecConfig
-from ..serve.app import DEFAULT_MAX_BODY_BYTES
+from ..serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
 from .common import (
     add_decoding_arguments,
     add_model_arguments,
@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "holds this many (plus a round of drafts) for every row (default: min(model context, 2048))")
     g.add_argument("--max-waiting", type=positive_int, default=256,
                    help="requests that may wait for a row; more are answered 429")
+    g.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
+                   help="choices (`n`) one request may ask for; more are answered 400. Each choice is its own "
+                   "request in the engine, with its own prefill")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
     add_model_arguments(p)
     add_decoding_arguments(p, prefix_cache_gb=None)  # None: on where the method and model allow it
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     spec = config_from_args(SpecConfig, args)
     config = model_config(args)
     options = ServeOptions(args.served_model_name or _model_name(config.target), args.max_model_len, args.max_waiting,
-                           args.api_key, args.max_body_bytes, args.body_timeout, args.docs)  # checked: no model yet
+                           args.api_key, args.max_body_bytes, args.body_timeout, args.docs,
+                           args.max_n)  # checked: no model yet
     listener = _listen(args.host, args.port)  # before the (slow) model loading: a taken port fails at once
     with listener:
         models = load_models(args, need_draft=spec.speculative)

@@ -32,7 +32,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..costs import wall_clock
 from ..layouts import Layout, LayoutView, RaggedLayout
 from ..layouts.base import FILLER_TOKEN
 from ..sequence import Sequence
@@ -188,9 +187,9 @@ class ModelDrafter(Drafter):
     def _timed(self, rows: list[int], tokens: list[int], shared: bool, complete: bool,
                 feed: Callable[..., object], *args: object) -> None:
         """Run one catch-up forward, `feed(*args)`, and note it (`catch_ups`, the drafter's counters)."""
-        start = wall_clock(self.layout.model)
+        start = self.layout.clock()
         feed(*args)
-        seconds = wall_clock(self.layout.model) - start
+        seconds = self.layout.clock() - start
         self.caught_up.append(CatchUp(rows, tokens, shared, complete, seconds))
         self.totals["draft_catch_up_tokens"] += sum(tokens)
         self.totals["draft_catch_up_time"] += seconds

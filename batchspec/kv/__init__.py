@@ -15,6 +15,7 @@ from .forward import (
     forward_all_positions,
     forward_left_padded,
     forward_plain,
+    forward_plain_positions,
     forward_slots,
     new_dynamic_cache,
     prefix_kv,
@@ -35,6 +36,7 @@ from .support import (
 __all__ = [
     "EXACT_ATTENTION", "PrefixCache", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
     "attention_path", "causal_visible", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
-    "forward_left_padded", "forward_plain", "forward_slots", "is_stateful", "new_dynamic_cache", "num_layers",
+    "forward_left_padded", "forward_plain", "forward_plain_positions", "forward_slots", "is_stateful",
+    "new_dynamic_cache", "num_layers",
     "prefix_kv", "prefix_state", "use_exact_attention",
 ]

@@ -57,13 +57,25 @@ def forward_plain(model: torch.nn.Module, input_ids: torch.Tensor, cache: Dynami
     Position ids run on from the cache's length, as `generate` passes them: without them some models
     (Bamba) restart positions at 0 in every cached forward. Caches without attention layers have no
     length (nor any use for positions)."""
+    return _forward_cached(model, input_ids, cache, keep=1)[:, -1]
+
+
+@torch.inference_mode()
+def forward_plain_positions(model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """`forward_plain`, returning every fed position's logits [n, vocab] (float32) of a batch-1 forward:
+    row i predicts the token after input_ids[0, i] (prompt logprobs)."""
+    return _forward_cached(model, input_ids, cache, keep=0)[0]
+
+
+def _forward_cached(model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int) -> torch.Tensor:
+    """Logits [1, kept, vocab] in float32 of the last `keep` positions (0: all) fed on `cache`."""
     use_exact_attention(model)
     extra: dict[str, torch.Tensor] = {}
     if any(isinstance(layer, CacheLayerMixin) for layer in cache.layers):
         start = cache.get_seq_length()
         extra["position_ids"] = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1, **extra)
-    return out.logits[:, -1].float()
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
+    return out.logits.float()
 
 
 @torch.inference_mode()

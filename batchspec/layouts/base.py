@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..costs import wall_clock
 from ..kv import SlotStore, causal_visible, context_limit, forward_slots, num_layers, use_exact_attention
 
 FILLER_TOKEN = 0  # fed in pad positions; masked out, so its value never matters (no pad token needed)
@@ -50,6 +51,12 @@ class Layout(ABC):
     @property
     def num_rows(self) -> int:
         return int(self.lengths.shape[0])
+
+    def clock(self) -> float:
+        """The clock this layout's forwards are timed by (the engine's phases, a drafter's catch-ups):
+        the wall clock, waiting for queued GPU work. Asked of the layout, not read directly, so that a
+        layout that bills its forwards at a cost table (`batchspec.bench.replay`) is timed by that."""
+        return wall_clock(self.model)
 
     def _run(
         self,

@@ -15,15 +15,20 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from ..config import BatchspecError, SamplingParams
 from ..engine import Engine
+from ..logprobs import TokenLogprob
 from ..sequence import Sequence
 from .metrics import Metrics
 
 log = logging.getLogger("batchspec.serve")
+
+T = TypeVar("T")
 
 # The model context the server reserves K/V for when the model's own is longer (or unknown).
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -39,12 +44,18 @@ class EngineUnavailable(Exception):
 
 @dataclass
 class Update:
-    """What a request gained since its last update: new tokens (one or more rounds' worth), and how
-    it ended, or why the engine could not finish it (`error`)."""
+    """What a request gained since its last update: new tokens (one or more rounds' worth) with their
+    logprobs when it asked for them, and how it ended, or why the engine could not finish it (`error`)."""
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids
+
+    def then(self, later: Update) -> Update:
+        """This update followed by `later`, as one."""
+        logprobs = None if self.logprobs is None or later.logprobs is None else self.logprobs + later.logprobs
+        return Update(self.token_ids + later.token_ids, later.finish_reason, later.error, logprobs)
 
 
 class RequestHandle:
@@ -68,8 +79,7 @@ class RequestHandle:
         while not self.finished:
             update = await self._queue.get()
             while not self._queue.empty() and update.finish_reason is None and update.error is None:
-                more = self._queue.get_nowait()
-                update = Update(update.token_ids + more.token_ids, more.finish_reason, more.error)
+                update = update.then(self._queue.get_nowait())
             if update.error is not None:
                 self.finished = True
                 raise EngineUnavailable(update.error)
@@ -164,19 +174,37 @@ class EngineLoop:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a validated request; raises QueueFull or EngineUnavailable."""
+        return self.submit_all(prompt_ids, [params])[0]
+
+    def submit_all(self, prompt_ids: list[int], params: list[SamplingParams]) -> list[RequestHandle]:
+        """Queue one request per params for one prompt (the n choices of a request), all or none:
+        raises QueueFull when they do not all fit the waiting queue, or EngineUnavailable."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self.alive:
                 raise EngineUnavailable(self.error or "the engine loop is not running")
-            if len(self._waiting) >= self.max_waiting:
+            if len(self._waiting) + len(params) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting for a row (--max-waiting "
-                                f"{self.max_waiting}); retry later")
-            handle = RequestHandle(next(self._ids), self, loop)
-            self._handles[handle.id] = handle
-            self._waiting.add(handle.id)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
-        self._commands.put(("add", handle.id, prompt_ids, params))
-        return handle
+                                f"{self.max_waiting}), {len(params)} more do not fit; retry later")
+            handles = [RequestHandle(next(self._ids), self, loop) for _ in params]
+            for handle in handles:
+                self._handles[handle.id] = handle
+                self._waiting.add(handle.id)
+        for handle, p in zip(handles, params):
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+            self._commands.put(("add", handle.id, prompt_ids, p))
+        return handles
+
+    def call(self, work: Callable[[], T]) -> Future[T]:
+        """Run `work` on the engine thread between two steps and return its future: work that needs
+        the models (a prompt's plain forward for its logprobs) never runs beside a step, which would
+        share their weights, threads and memory with it. Raises EngineUnavailable."""
+        future: Future[T] = Future()
+        with self._lock:  # with `_fail_all`'s lock: a call queued before the loop dies is answered
+            if not self.alive:
+                raise EngineUnavailable(self.error or "the engine loop is not running")
+            self._commands.put(("call", work, future))
+        return future
 
     def abort(self, request_id: int, reason: str = "abort") -> None:
         self._commands.put(("abort", request_id, reason))
@@ -203,6 +231,8 @@ class EngineLoop:
                 return False
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "call":
+                self._call(*command[1:])
             else:
                 self._abort(*command[1:])
             try:
@@ -215,6 +245,16 @@ class EngineLoop:
             self.engine.add_request(prompt_ids, params, request_id=request_id)
         except BatchspecError as err:  # validated on the HTTP side already; kept as this request's error
             self._finish(request_id, Update(error=str(err)))
+
+    @staticmethod
+    def _call(work: Callable[[], Any], future: Future) -> None:
+        """A failing call is its caller's error, not the engine's: the loop goes on."""
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(work())
+        except Exception as err:
+            future.set_exception(err)
 
     def _abort(self, request_id: int, reason: str) -> None:
         seq = self.engine.abort(request_id)
@@ -240,15 +280,16 @@ class EngineLoop:
                 self.metrics.record_draft(seq.drafted - handle.drafted, seq.accepted - handle.accepted)
                 handle.drafted, handle.accepted = seq.drafted, seq.accepted
             new = seq.generated[handle.sent :]
+            logprobs = None if seq.logprobs is None else seq.logprobs[handle.sent : handle.sent + len(new)]
             if new:
                 if handle.sent == 0:
                     self.metrics.time_to_first_token.observe(seq.token_times[0] - handle.arrival)
                 handle.sent += len(new)
                 self.metrics.generation_tokens.inc(len(new))
             if seq.finished:
-                self._finish(seq.index, Update(new, seq.finish_reason), seq.finish_reason, seq)
+                self._finish(seq.index, Update(new, seq.finish_reason, logprobs=logprobs), seq.finish_reason, seq)
             elif new:
-                handle.push(Update(new))
+                handle.push(Update(new, logprobs=logprobs))
 
     def _finish(self, request_id: int, update: Update, reason: str | None = None, seq: Sequence | None = None) -> None:
         with self._lock:
@@ -262,8 +303,20 @@ class EngineLoop:
         handle.push(update)
 
     def _fail_all(self, message: str) -> None:
+        """End every request in flight and every call not run (the thread will run none again)."""
         with self._lock:
             handles, self._handles = self._handles, {}
             self._waiting.clear()
+            calls = []
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "call":
+                    calls.append(command[2])
         for handle in handles.values():
             handle.push(Update(error=message))
+        for future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineUnavailable(message))

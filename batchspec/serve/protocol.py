@@ -2,21 +2,22 @@
 
 Request models are strict (a string where a number belongs is a 400, not silently converted) and
 keep unknown fields (clients send `user`, `metadata`, ...), but a field that would change the
-output in a way batchspec does not implement (logprobs, penalties, tools, response formats, n > 1,
-...: `UNSUPPORTED`) is refused with a 400 naming it, never silently ignored. Ranges (negative, NaN,
-...) are checked by SamplingParams, the same check the Python API and the CLI use.
+output in a way batchspec does not implement (penalties, tools, response formats, best_of, ...:
+`UNSUPPORTED`) is refused with a 400 naming it, never silently ignored. Ranges (negative, NaN,
+...) are checked by SamplingParams, the same check the Python API and the CLI use; those of `n`,
+`logprobs`, `top_logprobs` and `echo` here, each a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import reprlib
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..config import BatchspecError, SamplingParams
+from ..config import MAX_LOGPROBS, BatchspecError, SamplingParams
 
 
 class APIError(Exception):
@@ -61,8 +62,7 @@ def short_repr(value: object) -> str:
 # 400 naming it; a client that asked for JSON output, a tool call or a penalty must not get plain text
 # as if it had not asked.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "prompt_logprobs": (None, 0),
+    "best_of": (None, 1), "suffix": (None, ""), "prompt_logprobs": (None, 0),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
     "length_penalty": (None, 1), "logit_bias": (None, {}), "min_p": (None, 0), "min_tokens": (None, 0),
     "ignore_eos": (None, False), "use_beam_search": (None, False), "bad_words": (None, []),
@@ -107,20 +107,43 @@ class _Request(BaseModel):
     return_token_ids: bool | None = False  # extra body, as vLLM: token ids alongside the text
     # set to anything but a neutral value, these are refused (UNSUPPORTED); typed, so a wrong type
     # is reported as such
-    logprobs: Any = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
 
+    # this endpoint's fields of UNSUPPORTED and its own refusals
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
+
     def refuse_unsupported(self) -> None:
-        """A 400 for the first field of UNSUPPORTED set to something that would change the output."""
+        """A 400 for the first field of REFUSED set to something that would change the output."""
         extra = self.model_extra or {}
-        for name, neutral in UNSUPPORTED.items():
+        for name, neutral in self.REFUSED.items():
             value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
             if not any(_same(value, v) for v in neutral):
-                hint = " (send one request per completion)" if name == "n" else ""
-                raise APIError(400, f"{name}={short_repr(value)} is not supported by this server{hint}", name)
+                raise APIError(400, f"{name}={short_repr(value)} is not supported by this server{self._hint(name)}",
+                               name)
+
+    def _hint(self, name: str) -> str:
+        return ""
+
+    def choices(self, max_n: int) -> int:
+        """`n`, the number of choices: 1 by default, a 400 naming `n` outside 1..max_n (`--max-n`)."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= max_n:
+            raise APIError(400, f"n must be in 1..{max_n} (choices per request; --max-n), got {n}", "n")
+        return n
+
+    def decodes(self) -> bool:
+        """Whether the request decodes anything (completions' echo with max_tokens 0 does not)."""
+        return True
+
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per generated token's logprobs (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives per prompt token's logprobs (None: none; `echo` on completions)."""
+        return None
 
     def token_budget(self) -> int | None:
         return self.max_tokens
@@ -138,6 +161,7 @@ class _Request(BaseModel):
                 top_k=0 if self.top_k is None else self.top_k,
                 seed=self.seed,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
+                logprobs=self.logprobs_asked(),
             )
         except BatchspecError as err:
             # SamplingParams' messages start with the field's name: say it as the API spells it
@@ -150,16 +174,40 @@ class _Request(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+def _alternatives(value: int | None, name: str) -> int | None:
+    """A logprobs count checked for its range: a 400 naming the field."""
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise APIError(400, f"{name} must be in 0..{MAX_LOGPROBS}, got {value}", name)
+    return value
+
+
 class CompletionRequest(_Request):
-    """POST /v1/completions: one prompt, as text or token ids (OpenAI's default max_tokens, 16)."""
+    """POST /v1/completions: one prompt, as text or token ids (OpenAI's default max_tokens, 16).
+    `logprobs` N: each token's logprob and the N most likely alternatives'; `echo`: the prompt before
+    the output, with its tokens' logprobs when `logprobs` is given; with `max_tokens` 0 only that
+    (lm-evaluation-harness's log-likelihoods)."""
+
+    # `top_logprobs` is chat's; completions spell it `logprobs`
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {**UNSUPPORTED, "top_logprobs": (None, 0)}
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
+    logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     def token_budget(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens
+
+    def decodes(self) -> bool:
+        """False for echo with max_tokens 0: the prompt's logprobs are all it asks for."""
+        return not (self.echo and self.max_tokens == 0)
+
+    def logprobs_asked(self) -> int | None:
+        return _alternatives(self.logprobs, "logprobs")
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs_asked() if self.echo else None
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -190,10 +238,27 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions: a conversation rendered with the chat template. Without a token
-    budget the request may fill the rest of the context (as OpenAI's chat API does)."""
+    budget the request may fill the rest of the context (as OpenAI's chat API does). `logprobs`
+    true: each token's logprob, with `top_logprobs` alternatives (0..MAX_LOGPROBS)."""
+
+    # no prompt echo in chat (OpenAI has none): refused by name rather than ignored
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {**UNSUPPORTED, "echo": (None, False)}
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _hint(self, name: str) -> str:
+        return " (echo is a /v1/completions field)" if name == "echo" else ""
+
+    def logprobs_asked(self) -> int | None:
+        top = _alternatives(self.top_logprobs, "top_logprobs")
+        if not self.logprobs:
+            if top:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return top or 0

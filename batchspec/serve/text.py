@@ -9,6 +9,7 @@ still become a stop string is held back until it cannot.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as Seq
 
 from jinja2 import TemplateError
@@ -185,3 +186,32 @@ class TextStream:
         end = max(end, self.sent)
         piece, self.sent = self.text[self.sent : end], end
         return piece
+
+
+class TokenSpeller:
+    """Tokens as logprobs name them: each as the text it adds after the tokens before it (decoded with
+    a few of them, as `Detokenizer` does: a token decoded alone loses the spacing some decoders derive
+    from its neighbours), special tokens spelled out, and a piece of a multi-byte character as U+FFFD.
+    The alternatives at a position are spelled after the same tokens as the chosen one."""
+
+    CONTEXT = 4  # preceding tokens decoded with each token
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, before: Seq[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.before = list(before)[-self.CONTEXT :]
+
+    def spell(self, tokens: Seq[int]) -> list[str]:
+        """Each of `tokens` as the text it would add at the current position."""
+        base = self._decode(self.before)
+        spelled = []
+        for token in tokens:
+            text = self._decode([*self.before, token])
+            spelled.append(text[len(os.path.commonprefix([base, text])) :])
+        return spelled
+
+    def push(self, token: int) -> None:
+        """`token` was chosen: the next position follows it."""
+        self.before = [*self.before, token][-self.CONTEXT :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
