@@ -99,3 +99,21 @@ def test_bench_serve_workloads_report_prompt_tokens_computed_and_ttft(models, ch
     assert cache["hit_rate"] > 0
     if workload == "multi-turn":
         assert len(report["ttft_ms_by_turn"]) == 2 and "TTFT, turn 2" in printed
+
+
+def test_n_choices_cost_one_prefill(models, chat_pair, oracle) -> None:  # noqa: F811
+    """`n = 4` on one prompt: the first choice prefills it, the other three find it in the cache (all
+    but the last token of each), and every choice is plain seeded sampling with seed + i."""
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=4, speculation="fixed", prefix_cache_gb=None)
+    app = create_app(models, chat_pair, spec, ServeOptions(served_model_name=MODEL))
+    ids = encode_prompt(models.tokenizer, SYSTEM, chat_template=False)
+    with serving(app) as url:
+        reply = client(url).completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0.8, seed=3, n=4,
+                                               extra_body={"return_token_ids": True})
+        metrics = scrape(url)
+    for choice in reply.choices:
+        sp = params(6, temperature=0.8, seed=3 + choice.index)
+        assert extra(choice)["token_ids"] == oracle(tuple(ids), sp)
+    hit = min(len(ids) // 16 * 16, len(ids) - 1)  # per later choice: whole blocks, never the last token
+    assert metrics[("vllm:prefix_cache_hits_total", ())] == 3 * hit
+    assert app.state.engine_loop.engine.stats.prefill_fed == len(ids) + 3 * (len(ids) - hit)
