@@ -170,7 +170,7 @@ def _from_pretrained(folder: Path, dtype: torch.dtype, model_kwargs: dict[str, A
 
     transformers maps a safetensors file and hands out views when `dtype` is the stored one, but
     converts every tensor at once through the map otherwise, which made the whole file resident
-    (2.4 GB for the bundled drafter in bfloat16, on top of its 1.2 GB converted). So where `lazy`
+    (2.4 GiB for the bundled drafter in bfloat16, beside its 1.2 GiB converted). So where `lazy`
     allows, a file stored in one other float dtype is loaded as stored and converted tensor by
     tensor (`Conversion`), the linears' when the quantizing or packing pass reaches them."""
     stored = None if model_kwargs else _stored_dtype(folder)
@@ -221,8 +221,8 @@ class Conversion:
     to its freshly built parameter's dtype), read from its file a block at a time. Everything but the
     linear layers is converted by `plan`; each linear's weight and bias when `load` is called on it
     (the `kernels.LinearLoader` of the quantizing and packing passes, which release the float weight
-    right after), and whatever is left by `finish`: a converted copy of all the linears (1.2 GB of
-    the bundled drafter's 1.3 GB in bfloat16) is never held at once."""
+    right after), and whatever is left by `finish`: a converted copy of all the linears (0.9 GiB of
+    the bundled drafter's 1.2 GiB in bfloat16) is never held at once."""
 
     def __init__(self, targets: dict[int, tuple[torch.Tensor, torch.dtype]]) -> None:
         self._targets = targets  # id -> (tensor, dtype), tied tensors once
@@ -234,12 +234,15 @@ class Conversion:
         its linears; None, with nothing changed, where transformers does more than cast: modules it
         keeps in float32 for `dtype`, or a buffer computed at build time whose dtype depends on the
         build dtype (its values would too)."""
-        keeps_float32 = (model._keep_in_fp32_modules_strict and dtype in (torch.float16, torch.bfloat16)) or (
-            model._keep_in_fp32_modules and dtype == torch.float16)
-        if keeps_float32:
+        strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+        kept = getattr(model, "_keep_in_fp32_modules", None)
+        if (strict and dtype in (torch.float16, torch.bfloat16)) or (kept and dtype == torch.float16):
             return None
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+        try:
+            with torch.device("meta"):  # parameters' dtypes only: nothing allocated
+                built = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+        except Exception:  # a model that cannot be built so is left to transformers' own conversion
+            return None
         planned = {name: t.dtype for name, t in [*built.named_parameters(remove_duplicate=False),
                                                  *built.named_buffers(remove_duplicate=False)]}
         persistent = set(built.state_dict())

@@ -4,6 +4,8 @@ no converted copy of all the linears and no page of the checkpoint-wide map outl
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from batchspec.kernels import (
     replace_linears,
 )
 from batchspec.kv import use_exact_attention
+from batchspec.memory import peak_rss_bytes, reset_peak_rss, return_freed_memory
 from batchspec.models import load_model
 
 QUANTIZED = quantization_kernel_reason("int4", torch.device("cpu")) is None
@@ -158,3 +161,41 @@ def test_quantizing_in_row_blocks_gives_the_same_bits(monkeypatch):
         assert got.dtype == want.dtype and torch.equal(got, want)
     layer = QuantizedLinear(torch.nn.Linear(256, 300), "int8")
     assert layer.qweight.shape == (300, 256)
+
+
+@pytest.mark.real
+def test_the_bundled_int4_pair_loads_within_3_gb():
+    """Issue 28's memory target, in a fresh process: loading the bundled pair as `make run` does (int4
+    target from the GGUF's blocks, the drafter under --draft-dtype auto) peaks at 3 GB RSS or less,
+    and one forward of each model after it stays there."""
+    from batchspec.bundled import bundled_installed
+
+    if not (bundled_installed("target") and bundled_installed("draft")):
+        pytest.skip("bundled model pair not installed (run `make setup`)")
+    code = """
+import resource, torch
+from batchspec.config import ModelConfig
+from batchspec.models import load_pair
+pair = load_pair(ModelConfig(quantization="int4", draft_dtype="auto"))
+with torch.inference_mode():
+    for model in (pair.target, pair.draft):
+        model(torch.tensor([[1, 2, 3, 4]]), use_cache=False)
+rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss * 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak, steady = map(int, done.stdout.split()[-2:])
+    assert steady <= peak <= 3e9, f"peak {peak / 1e9:.2f} GB, steady {steady / 1e9:.2f} GB"
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs /proc/self/clear_refs")
+def test_the_peak_rss_restarts_for_each_format_of_a_sweep():
+    """`bench --quantization none,int4` reports each format's own peak, not the float32 one before it."""
+    assert reset_peak_rss()
+    block = torch.ones(2**26)  # 256 MiB, every page written
+    grown = peak_rss_bytes()
+    del block
+    return_freed_memory()
+    assert reset_peak_rss()
+    assert peak_rss_bytes() < grown - 200 * 2**20
