@@ -42,7 +42,16 @@ import torch
 
 from .bundled import BUNDLED, BundledModel, cache_dir, join_chunks, short_reason
 from .errors import BatchspecError
-from .kernels import INT4, INT8, QuantizedLinear, _FrozenLinear, apply_quantization, quantization_unsupported_reason
+from .kernels import (
+    INT4,
+    INT8,
+    LinearLoader,
+    QuantizedLinear,
+    _FrozenLinear,
+    apply_quantization,
+    quantization_unsupported_reason,
+    replace_linears,
+)
 
 GROUP = 32  # a Q4_K sub-block: one torch int4 group
 Q4K_BLOCK = 256
@@ -222,45 +231,49 @@ class GGUFInt4Linear(QuantizedLinear):
         return GGUF_KERNEL
 
 
-def apply_gguf_int4(model: torch.nn.Module, path: Path) -> int:
+def apply_gguf_int4(model: torch.nn.Module, path: Path, load: LinearLoader = None) -> int:
     """`--quantization int4` from the stored Q4_K blocks: each linear that has them becomes a
-    `GGUFInt4Linear`, every other linear (Q6_K etc. in the GGUF, the output layer) int8 per channel from
-    its float weights (`kernels.apply_quantization`). Returns how many linears took GGUF blocks."""
+    `GGUFInt4Linear` (its float weight never read), every other linear (Q6_K etc. in the GGUF, the output
+    layer) int8 per channel from its float weights after `load` (`kernels.apply_quantization`). Returns
+    how many linears took GGUF blocks."""
     from safetensors import safe_open
 
     reason = quantization_unsupported_reason(model, INT4)
     if reason is not None:
         raise BatchspecError(f"--quantization int4: {reason}")
-    modules = dict(model.named_modules())
-    replaced = 0
     try:
-        with safe_open(str(path), framework="pt") as f:
-            names = sorted({key.rsplit(".", 1)[0] for key in f.keys()})
-            for name in names:
-                linear = modules.get(name)
-                if type(linear) is not torch.nn.Linear:
-                    raise BatchspecError(f"{path.name} holds int4 weights for {name}, which is not a linear of this model")
+        # pread, not a memory map: the map's pages would all stay resident until the file is closed
+        with safe_open(str(path), framework="pt", backend="pread") as f:
+            stored = {key.rsplit(".", 1)[0] for key in f.keys()}
+
+            def from_blocks(name: str, linear: torch.nn.Linear) -> GGUFInt4Linear | None:
+                if name not in stored:
+                    return None
+                stored.discard(name)
+                if load is not None:
+                    load(linear)  # its dtype and bias are the layer's
                 q = unpack_nibbles(f.get_tensor(f"{name}.qweight"))
-                layer = GGUFInt4Linear(linear, q, f.get_tensor(f"{name}.scales"), f.get_tensor(f"{name}.zeros"))
-                parent_name, _, child = name.rpartition(".")
-                setattr(modules[parent_name] if parent_name else model, child, layer)
-                replaced += 1
+                return GGUFInt4Linear(linear, q, f.get_tensor(f"{name}.scales"), f.get_tensor(f"{name}.zeros"))
+
+            replaced = replace_linears(model, from_blocks)
     except BatchspecError:
         raise
     except Exception as exc:
         raise BatchspecError(f"could not read the int4 weights {path}: {short_reason(exc)}; "
                              f"delete it and run `batchspec prepare`") from exc
-    apply_quantization(model, INT8)  # the rest: linears not stored as Q4_K, and the output layer
+    if stored:
+        raise BatchspecError(f"{path.name} holds int4 weights for {min(stored)}, which is not a linear of this model")
+    apply_quantization(model, INT8, load=load)  # the rest: linears not stored as Q4_K, and the output layer
     return replaced
 
 
-def apply_bundled_int4(model: torch.nn.Module, role: str = "target") -> int:
+def apply_bundled_int4(model: torch.nn.Module, role: str = "target", load: LinearLoader = None) -> int:
     """`apply_gguf_int4` with the bundled `role`'s stored blocks, written first if missing; a model or
     machine the int4 kernel cannot run on is refused before anything is joined or written."""
     reason = quantization_unsupported_reason(model, INT4)
     if reason is not None:
         raise BatchspecError(f"--quantization int4: {reason}")
-    return apply_gguf_int4(model, gguf_int4_weights(role))
+    return apply_gguf_int4(model, gguf_int4_weights(role), load)
 
 
 def use_gguf_int4(source: str | None, role: str, quantization: str, group_size: int) -> bool:

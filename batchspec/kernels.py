@@ -32,6 +32,7 @@ import torch
 
 from .bundled import short_reason
 from .config import GROUP_SIZES, LINEAR_KERNELS, QUANTIZATIONS, BatchspecError
+from .memory import return_freed_memory
 
 PACKED, TORCH = "packed", "torch"
 # oneDNN's packed float32 product of one or two rows takes a slower path than that of three or
@@ -45,6 +46,12 @@ PADDED_ROWS = 4
 # How many leading values of a weight stand for it in `forensics.oracle.model_identity` (which hashes
 # that many of every parameter and buffer): a packed weight is opaque, so its sample is kept at pack time.
 IDENTITY_SAMPLE = 256
+
+
+# Called on a linear just before a pass replaces it (or leaves it in float): the loader converts a
+# weight still mapped from its file to the model's dtype there, one linear at a time, so that no
+# converted copy of every linear is ever held at once (`models.load_model`). None: nothing to do.
+LinearLoader = Callable[[torch.nn.Linear], None] | None
 
 
 class _FrozenLinear(torch.nn.Module):
@@ -147,13 +154,27 @@ _QUANT_OPS = {INT8: ("_weight_int8pack_mm",),
 _VECTOR_CPUS = ("AVX2", "AVX512")  # torch's vectorized x86 paths of both kernels; elsewhere a scalar loop
 
 
+# Weights are quantized this many values at a time (whole rows): every step below is per row, so the
+# result does not depend on the split, and the float32 temporaries of a 151936x1536 output layer
+# stay at ~16 MB each instead of 0.9 GB (they set the peak RSS of loading a quantized model).
+QUANTIZE_BLOCK_VALUES = 1 << 22
+
+
+def _row_blocks(weight: torch.Tensor) -> list[slice]:
+    rows = max(1, QUANTIZE_BLOCK_VALUES // max(1, weight.shape[1]))
+    return [slice(lo, lo + rows) for lo in range(0, weight.shape[0], rows)]
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per output channel: weight ~= q * scale with q in [-127, 127]. The scale is rounded
     to bfloat16 (what the kernel reads) before q is computed, so q is chosen for the scale used."""
-    w = weight.detach().float()  # [N, K]
-    scale = (w.abs().amax(dim=1) / 127).to(torch.bfloat16)  # [N]
-    divisor = torch.where(scale == 0, 1.0, scale.float())[:, None]  # [N, 1]; an all-zero row stays 0
-    q = torch.round(w / divisor).clamp(-127, 127).to(torch.int8)  # [N, K]
+    n, k = weight.shape
+    q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.bfloat16)
+    for rows in _row_blocks(weight):
+        w = weight[rows].detach().float()  # [n, K]
+        scale[rows] = (w.abs().amax(dim=1) / 127).to(torch.bfloat16)
+        divisor = torch.where(scale[rows] == 0, 1.0, scale[rows].float())[:, None]  # an all-zero row stays 0
+        q[rows] = torch.round(w / divisor).clamp(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -163,14 +184,19 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     dmin*m). Scale and zero are rounded to bfloat16 before q is chosen. Returns q [N, K] (int32),
     scale and zero [N, K // group_size]."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group_size, group_size)  # [N, G, group]
-    low, high = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
-    scale = ((high - low) / 15).to(torch.bfloat16)
-    zero = (low + 8 * scale.float()).to(torch.bfloat16)
-    divisor = torch.where(scale == 0, 1.0, scale.float())  # a constant group: q = 8 gives `zero`
-    offset = zero.float() - 8 * scale.float()  # [N, G]: the value of q = 0
-    q = torch.round((w - offset[..., None]) / divisor[..., None]).clamp(0, 15)  # [N, G, group]
-    return q.reshape(n, k).to(torch.int32), scale, zero
+    groups = k // group_size
+    q = torch.empty(n, k, dtype=torch.int32)
+    scale, zero = torch.empty(n, groups, dtype=torch.bfloat16), torch.empty(n, groups, dtype=torch.bfloat16)
+    for rows in _row_blocks(weight):
+        w = weight[rows].detach().float().reshape(-1, groups, group_size)  # [n, G, group]
+        low, high = w.amin(dim=-1), w.amax(dim=-1)  # [n, G]
+        scale[rows] = ((high - low) / 15).to(torch.bfloat16)
+        zero[rows] = (low + 8 * scale[rows].float()).to(torch.bfloat16)
+        divisor = torch.where(scale[rows] == 0, 1.0, scale[rows].float())  # a constant group: q = 8 gives `zero`
+        offset = zero[rows].float() - 8 * scale[rows].float()  # [n, G]: the value of q = 0
+        values = torch.round((w - offset[..., None]) / divisor[..., None]).clamp(0, 15)  # [n, G, group]
+        q[rows] = values.reshape(-1, k).to(torch.int32)
+    return q, scale, zero
 
 
 class QuantizedLinear(_FrozenLinear):
@@ -250,12 +276,13 @@ def _quantizable(linear: torch.nn.Linear, bits: str, group_size: int) -> bool:
     return True
 
 
-def apply_quantization(model: torch.nn.Module, quantization: str, group_size: int = 32) -> None:
+def apply_quantization(model: torch.nn.Module, quantization: str, group_size: int = 32,
+                       load: LinearLoader = None) -> None:
     """Replace the model's `nn.Linear`s by `QuantizedLinear`s of `quantization` ("none", "int8",
-    "int4"), in place. Under int4 the output layer is int8: it is the layer whose errors reach the
-    logits unmixed, and a Q4_K_M file keeps it at 6 bits for the same reason. A linear whose shape
-    the kernels cannot take stays float (`weights_summary` lists it). Anything that cannot run here
-    is one BatchspecError line."""
+    "int4"), in place, each after `load` (see `LinearLoader`). Under int4 the output layer is int8: it
+    is the layer whose errors reach the logits unmixed, and a Q4_K_M file keeps it at 6 bits for the
+    same reason. A linear whose shape the kernels cannot take stays float (`weights_summary` lists
+    it). Anything that cannot run here is one BatchspecError line."""
     if quantization not in QUANTIZATIONS:
         raise BatchspecError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if group_size not in GROUP_SIZES:
@@ -267,13 +294,16 @@ def apply_quantization(model: torch.nn.Module, quantization: str, group_size: in
     if reason is not None:
         raise BatchspecError(f"--quantization {quantization}: {reason}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear:
-                continue
-            bits = INT8 if child is head else quantization
-            if _quantizable(child, bits, group_size):
-                setattr(parent, name, QuantizedLinear(child, bits, group_size))
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
+    del head  # the float head must not outlive its replacement (see `replace_linears`)
+
+    def quantized(name: str, linear: torch.nn.Linear) -> torch.nn.Module | None:
+        if load is not None:
+            load(linear)  # a layer left in float too: the probe below runs it
+        bits = INT8 if name == head_name else quantization
+        return QuantizedLinear(linear, bits, group_size) if _quantizable(linear, bits, group_size) else None
+
+    replace_linears(model, quantized)
     try:
         _probe(model)
     except Exception as exc:  # modeling code that computes with a linear's weight
@@ -337,15 +367,36 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` by a `PackedLinear` (in place); returns how many. The
-    unpacked weights are released unless something else holds them (a tied embedding keeps its own)."""
+def pack_linears(model: torch.nn.Module, load: LinearLoader = None) -> int:
+    """Replace every `nn.Linear` of `model` by a `PackedLinear` (in place), each after `load` (see
+    `LinearLoader`); returns how many. The unpacked weights are released unless something else holds
+    them (a tied embedding keeps its own)."""
+
+    def packed(name: str, linear: torch.nn.Linear) -> PackedLinear:
+        if load is not None:
+            load(linear)
+        return PackedLinear(linear)
+
+    return replace_linears(model, packed)
+
+
+def replace_linears(model: torch.nn.Module, make: Callable[[str, torch.nn.Linear], torch.nn.Module | None]) -> int:
+    """Replace each `nn.Linear` of `model` (exactly that class) by `make(its qualified name, it)`, in place,
+    keeping those for which `make` returns None; returns how many were replaced. Each replaced linear
+    is released at once: a loaded weight may still map its checkpoint file, whose pages it read stay
+    resident as long as it lives, so holding every replaced linear to the end of the pass (a list
+    of `model.modules()` does) counted all the float weights in the load's peak RSS."""
+    parents = [(name, module) for name, module in model.named_modules()
+               if any(type(child) is torch.nn.Linear for child in module.children())]
     replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+    for parent_name, parent in parents:
+        names = [name for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+        for name in names:
+            layer = make(f"{parent_name}.{name}" if parent_name else name, getattr(parent, name))
+            if layer is not None:
+                setattr(parent, name, layer)
                 replaced += 1
+                return_freed_memory()  # the float weight just released, before the next one is read
     return replaced
 
 
@@ -364,9 +415,10 @@ def _probe(model: torch.nn.Module) -> None:
     model(torch.zeros(1, 2, dtype=torch.long), use_cache=False)
 
 
-def apply_linear_kernel(model: torch.nn.Module, kernel: str) -> str:
-    """Use `kernel` ("auto", "packed" or "torch") for the model's linears; returns the one in use.
-    "packed" where it cannot run is an error; "auto" falls back to torch's."""
+def apply_linear_kernel(model: torch.nn.Module, kernel: str, load: LinearLoader = None) -> str:
+    """Use `kernel` ("auto", "packed" or "torch") for the model's linears, packing each after `load`
+    (see `LinearLoader`); returns the one in use. "packed" where it cannot run is an error; "auto"
+    falls back to torch's."""
     if kernel not in LINEAR_KERNELS:
         raise BatchspecError(f"unknown linear kernel {kernel!r}; choose one of {', '.join(LINEAR_KERNELS)}")
     if kernel == TORCH:
@@ -374,7 +426,7 @@ def apply_linear_kernel(model: torch.nn.Module, kernel: str) -> str:
     reason = unsupported_reason(model)
     if reason is None:
         try:
-            if not pack_linears(model):
+            if not pack_linears(model, load):
                 return TORCH  # nothing to pack
             _probe(model)
             return PACKED

@@ -8,11 +8,15 @@ transformers traceback.
 
 from __future__ import annotations
 
-import ctypes
+import copy
+import json
+import mmap
+import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from transformers import (
@@ -35,6 +39,7 @@ from .kernels import (
     weights_summary,
 )
 from .gguf_int4 import apply_bundled_int4, gguf_int4_enabled, use_gguf_int4
+from .memory import return_freed_memory
 from .kv import attention_path, use_exact_attention
 from .prompts import unicode_problem
 
@@ -122,9 +127,7 @@ def load_model(
     model_kwargs: dict[str, Any] = {} if gguf_file is None else {"gguf_file": gguf_file, **gguf_load_kwargs()}
     label = source if source is not None else f"bundled {role} ({folder})"
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch_dtype, local_files_only=True, **model_kwargs
-        )
+        model, conversion = _from_pretrained(folder, torch_dtype, model_kwargs, lazy=torch_device.type == "cpu")
         tokenizer = _load_tokenizer(folder, gguf_file)
     except Exception as exc:  # transformers raises OSError/ValueError/KeyError/safetensors errors/...
         raise BatchspecError(f"could not load model from {label}: {short_reason(exc)}") from exc
@@ -133,11 +136,14 @@ def load_model(
     except Exception as exc:
         raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
+    load = None if conversion is None else conversion.load
     if use_gguf_int4(source, role, quantization, group_size) and gguf_int4_enabled():
-        apply_bundled_int4(model, role)  # the GGUF's own Q4_K blocks (batchspec.gguf_int4)
+        apply_bundled_int4(model, role, load)  # the GGUF's own Q4_K blocks (batchspec.gguf_int4)
     else:
-        apply_quantization(model, quantization, group_size)
-    apply_linear_kernel(model, linear_kernel)
+        apply_quantization(model, quantization, group_size, load)
+    apply_linear_kernel(model, linear_kernel, load)
+    if conversion is not None:
+        conversion.finish()  # linears no pass took (`--linear-kernel torch`, no quantization)
     own_weights(model)
     use_exact_attention(model)
     if torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and not computes_bfloat16(torch_device):
@@ -148,45 +154,266 @@ def load_model(
     return model, tokenizer
 
 
-def own_weights(model: torch.nn.Module) -> int:
-    """Copy every tensor still backed by a checkpoint file's memory map into memory of its own, so the
-    map is released: its pages stay resident while any tensor views it, and quantizing reads the whole
-    float32 file, so the full file counted in RSS although the quantized layers kept none of it.
-    Returns the bytes copied (0 where /proc/self/maps does not exist)."""
-    ranges = _mapped_checkpoints()
-    copied = 0
+# A loaded tensor of at least this many bytes gets a memory map of its own bytes rather than a copy
+# (`_own_tensors`); smaller ones (norms, biases) are copied.
+_MAP_APART_BYTES = 1 << 20
+# Mapped tensors converted to another dtype are read this many values at a time (`_converted`).
+_READ_BLOCK_VALUES = 1 << 22
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _from_pretrained(folder: Path, dtype: torch.dtype, model_kwargs: dict[str, Any],
+                     lazy: bool) -> tuple[PreTrainedModel, Conversion | None]:
+    """transformers' `from_pretrained` in `dtype`, with no tensor left on the checkpoint-wide memory map
+    and no weight read yet: large tensors map their own bytes (`_own_tensors`), so the quantizing or
+    packing that follows reads one linear at a time and its pages leave RSS with it.
+
+    transformers maps a safetensors file and hands out views when `dtype` is the stored one, but
+    converts every tensor at once through the map otherwise, which made the whole file resident
+    (2.4 GiB for the bundled drafter in bfloat16, beside its 1.2 GiB converted). So where `lazy`
+    allows, a file stored in one other float dtype is loaded as stored and converted tensor by
+    tensor (`Conversion`), the linears' when the quantizing or packing pass reaches them."""
+    stored = None if model_kwargs else _stored_dtype(folder)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype if stored is None else stored, local_files_only=True, **model_kwargs
+    )
+    _own_tensors(model, lambda tensor: tensor.numel() * tensor.element_size() >= _MAP_APART_BYTES)
+    if stored is None or stored == dtype:
+        return model, None
+    conversion = Conversion.plan(model, dtype)
+    if conversion is None:  # transformers' own conversion, the whole file read through its map at once
+        del model
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        _own_tensors(model, lambda tensor: False)
+        return model, None
+    if not lazy:
+        conversion.finish()
+        return model, None
+    return model, conversion
+
+
+def _stored_dtype(folder: Path) -> torch.dtype | None:
+    """The one float dtype of every floating tensor in the folder's safetensors weights (read from
+    their headers, nothing mapped), or None: other files, mixed float dtypes, or unreadable."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+        elif (folder / "model.safetensors").is_file():
+            files = [folder / "model.safetensors"]
+        else:
+            return None
+        from safetensors import safe_open
+
+        kinds = set()
+        for file in files:
+            with safe_open(str(file), framework="pt", backend="pread") as f:
+                kinds |= {f.get_slice(key).get_dtype() for key in f.keys()}
+    except Exception:  # transformers' own loading reports what is wrong with the folder
+        return None
+    floats = {_FLOAT_DTYPES.get(kind) for kind in kinds if kind.startswith(("F", "BF"))}
+    return floats.pop() if len(floats) == 1 and None not in floats else None
+
+
+class Conversion:
+    """Turns a model loaded in its file's dtype into what `from_pretrained(dtype=...)` gives: each tensor
+    cast to the dtype it has when the model is built in that dtype (transformers casts a loaded tensor
+    to its freshly built parameter's dtype), read from its file a block at a time. Everything but the
+    linear layers is converted by `plan`; each linear's weight and bias when `load` is called on it
+    (the `kernels.LinearLoader` of the quantizing and packing passes, which release the float weight
+    right after), and whatever is left by `finish`: a converted copy of all the linears (0.9 GiB of
+    the bundled drafter's 1.2 GiB in bfloat16) is never held at once."""
+
+    def __init__(self, targets: dict[int, tuple[torch.Tensor, torch.dtype]]) -> None:
+        self._targets = targets  # id -> (tensor, dtype), tied tensors once
+        self._mappings = _mapped_files()
+
+    @classmethod
+    def plan(cls, model: PreTrainedModel, dtype: torch.dtype) -> Conversion | None:
+        """Convert `model`'s non-linear tensors to `dtype` as transformers would and return what converts
+        its linears; None, with nothing changed, where transformers does more than cast: modules it
+        keeps in float32 for `dtype`, or a buffer computed at build time whose dtype depends on the
+        build dtype (its values would too)."""
+        strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+        kept = getattr(model, "_keep_in_fp32_modules", None)
+        if (strict and dtype in (torch.float16, torch.bfloat16)) or (kept and dtype == torch.float16):
+            return None
+        try:
+            with torch.device("meta"):  # parameters' dtypes only: nothing allocated
+                built = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+        except Exception:  # a model that cannot be built so is left to transformers' own conversion
+            return None
+        planned = {name: t.dtype for name, t in [*built.named_parameters(remove_duplicate=False),
+                                                 *built.named_buffers(remove_duplicate=False)]}
+        persistent = set(built.state_dict())
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        if set(planned) != set(tensors) | set(buffers):
+            return None
+        if any(t.dtype != planned[name] for name, t in buffers.items() if name not in persistent):
+            return None
+        targets = {id(t): (t, planned[name]) for name, t in [*tensors.items(), *buffers.items()]}
+        conversion = cls(targets)
+        in_linears = {id(t) for m in model.modules() if type(m) is torch.nn.Linear for t in m.parameters()}
+        elsewhere = {id(t) for m in model.modules() if type(m) is not torch.nn.Linear
+                     for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+        for key in set(targets) - (in_linears - elsewhere):
+            conversion._convert(key)
+        model.config.dtype = dtype
+        return conversion
+
+    def load(self, linear: torch.nn.Linear) -> None:
+        """Convert `linear`'s weight and bias (a `kernels.LinearLoader`)."""
+        for tensor in linear.parameters():
+            self._convert(id(tensor))
+
+    def finish(self) -> None:
+        """Convert every tensor still waiting."""
+        for key in list(self._targets):
+            self._convert(key)
+
+    def _convert(self, key: int) -> None:
+        if key in self._targets:
+            tensor, dtype = self._targets.pop(key)
+            if tensor.dtype != dtype:
+                tensor.data = _converted(tensor.data, dtype, self._mappings)
+
+
+def _converted(tensor: torch.Tensor, dtype: torch.dtype, mappings: list[_Mapping]) -> torch.Tensor:
+    """`tensor.to(dtype)`; a tensor mapped from a file is read with plain reads, a block at a time:
+    through its map every page read would stay resident until the whole tensor was converted (the
+    bundled drafter's float32 embedding and output layer are 0.5 GiB each)."""
+    mapping = _mapping_of(tensor, mappings)
+    file = None if mapping is None or not tensor.is_contiguous() else _open_mapped(mapping)
+    if file is None:
+        return tensor.to(dtype)
+    out = torch.empty(tensor.shape, dtype=dtype)
+    flat, block = out.view(-1), torch.empty(min(tensor.numel(), _READ_BLOCK_VALUES), dtype=tensor.dtype)
+    position = mapping.offset + tensor.data_ptr() - mapping.lo
+    with file:
+        for lo in range(0, tensor.numel(), _READ_BLOCK_VALUES):
+            part = block[:min(_READ_BLOCK_VALUES, tensor.numel() - lo)]
+            _read_into(file, part.view(torch.uint8).numpy(), position + lo * tensor.element_size())
+            flat[lo:lo + part.numel()] = part.to(dtype)
+    return out
+
+
+def _read_into(file: BinaryIO, buffer: Any, position: int) -> None:
+    """Fill `buffer` (a writable numpy byte array) from `file` at `position`, or raise."""
+    view = memoryview(buffer).cast("B")
+    file.seek(position)
+    while view.nbytes:
+        read = file.readinto(view)
+        if not read:
+            raise OSError(f"{file.name} ended at byte {file.tell()} while reading a mapped tensor")
+        view = view[read:]
+
+
+def own_weights(model: torch.nn.Module) -> None:
+    """After quantizing and packing: every tensor of `model` still mapped from its checkpoint file is
+    copied into memory of its own, except embedding tables, which keep a fresh map of their bytes.
+
+    A mapped page counts in RSS once read and for as long as its map lives, whatever read it. An
+    embedding is a lookup: a step reads one row per token, so mapped only the rows of tokens seen
+    become resident (the bundled target's float32 table is 0.87 GiB, 45% of its int4 weights), and
+    the kernel can drop them again under memory pressure, as llama.cpp's mapped weights. The map is
+    made afresh so that rows read while loading (a tied output layer quantized from the table reads
+    it all) leave RSS. A table that a float linear also computes with is read whole every step:
+    copied like everything else."""
+    linear_weights = {id(m.weight) for m in model.modules() if type(m) is torch.nn.Linear}
+    lookups = {id(m.weight) for m in model.modules()
+               if isinstance(m, torch.nn.Embedding) and id(m.weight) not in linear_weights}
+    _own_tensors(model, lambda tensor: id(tensor) in lookups)
+    return_freed_memory()
+
+
+def _own_tensors(model: torch.nn.Module, keep_mapped: Callable[[torch.Tensor], bool]) -> None:
+    """Give every parameter and buffer that views a mapped weight file memory of its own: a memory map
+    of just its bytes where `keep_mapped` says so (nothing read yet; its pages go when it does), else
+    a copy. A tensor viewing a checkpoint-wide map kept the whole map alive, and every page that
+    anything had read from it resident, as long as any one tensor of the file lived."""
+    mappings = _mapped_files()
+    if not mappings:
+        return
     tensors = [*model.parameters(), *model.buffers()]  # shared (tied) tensors once each
     for tensor in tensors:
-        plain = tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_mkldnn
-        if plain and any(lo <= tensor.data_ptr() < hi for lo, hi in ranges):
-            tensor.data = tensor.data.clone()
-            copied += tensor.numel() * tensor.element_size()
-    _return_freed_memory()
-    return copied
+        mapping = _mapping_of(tensor, mappings)
+        if mapping is None:
+            continue
+        fresh = _map_apart(tensor, mapping) if keep_mapped(tensor) else None
+        tensor.data = tensor.data.clone() if fresh is None else fresh
 
 
-def _return_freed_memory() -> None:
-    """Hand the heap that loading and quantizing freed back to the OS (glibc keeps it otherwise, and
-    RSS with it); nothing where the C library has no malloc_trim."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+@dataclass(frozen=True)
+class _Mapping:
+    """One memory-mapped range of a weight file, as /proc/self/maps lists it."""
+
+    lo: int
+    hi: int
+    offset: int  # of `lo` in the file
+    device: int
+    inode: int
+    path: str
 
 
-def _mapped_checkpoints() -> list[tuple[int, int]]:
-    """Address ranges [lo, hi) of this process's memory-mapped weight files (Linux; none elsewhere)."""
+def _mapped_files() -> list[_Mapping]:
+    """This process's memory-mapped weight files (Linux; none elsewhere)."""
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return []
-    ranges = []
+    mappings = []
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].endswith((".safetensors", ".gguf", ".bin")):
             lo, hi = fields[0].split("-")
-            ranges.append((int(lo, 16), int(hi, 16)))
-    return ranges
+            major, minor = fields[3].split(":")
+            mappings.append(_Mapping(int(lo, 16), int(hi, 16), int(fields[2], 16),
+                                     os.makedev(int(major, 16), int(minor, 16)), int(fields[4]), fields[5]))
+    return mappings
+
+
+def _mapping_of(tensor: torch.Tensor, mappings: list[_Mapping]) -> _Mapping | None:
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn:
+        return None
+    start = tensor.data_ptr()
+    return next((m for m in mappings if m.lo <= start < m.hi), None)
+
+
+def _map_apart(tensor: torch.Tensor, mapping: _Mapping) -> torch.Tensor | None:
+    """`tensor`'s bytes mapped afresh from its file, copy-on-write as transformers' map was; None where
+    that cannot be done (not contiguous, not wholly inside the map, or the file at that path is no
+    longer the one mapped), so the caller copies instead."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or nbytes == 0 or tensor.data_ptr() + nbytes > mapping.hi:
+        return None
+    position = mapping.offset + tensor.data_ptr() - mapping.lo
+    start = position - position % mmap.ALLOCATIONGRANULARITY
+    file = _open_mapped(mapping)
+    if file is None:
+        return None
+    try:
+        with file:
+            mapped = mmap.mmap(file.fileno(), position - start + nbytes, offset=start, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return None
+    # the tensor holds the map: it is unmapped when the tensor's memory is released
+    flat = torch.frombuffer(mapped, dtype=tensor.dtype, count=tensor.numel(), offset=position - start)
+    return flat.view(tensor.shape)
+
+
+def _open_mapped(mapping: _Mapping) -> BinaryIO | None:
+    """The file that `mapping` maps, opened for reading; None if the file at its path is another one
+    now (replaced or deleted since it was mapped) or cannot be opened."""
+    try:
+        file = open(mapping.path, "rb", buffering=0)
+    except OSError:
+        return None
+    stat = os.fstat(file.fileno())
+    if (stat.st_dev, stat.st_ino) != (mapping.device, mapping.inode):
+        file.close()
+        return None
+    return file
 
 
 @dataclass

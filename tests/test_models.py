@@ -568,8 +568,9 @@ def test_real_bundled_pair() -> None:
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_loaded_weights_leave_no_checkpoint_mapped(tmp_path: Path, tokenizer: PreTrainedTokenizerFast,
                                                    quantization: str) -> None:
-    """A loaded model holds its own copies of the weights it kept (embeddings, norms), so the
-    checkpoint's memory map is released and none of its pages count in RSS; the logits are unchanged."""
+    """A loaded model holds its own copies of the small weights it kept (all of a tiny model's: large
+    embedding tables map their own bytes, tests/test_loading.py), so the checkpoint's memory map is
+    released and none of its pages count in RSS; the logits are unchanged."""
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc/self/maps")
     model = tiny_model("qwen2", seed=3)

@@ -305,7 +305,7 @@ def test_bench_sweeps_quantizations_in_one_run(tiny_pair_dirs, tmp_path, capsys)
     out = capsys.readouterr().out
     assert "=== --quantization none ===" in out and "=== --quantization int4 ===" in out
     assert "target float32: packed-float32 x15" in out and "target float32: int4-g32 x14, int8 x1" in out
-    assert "peak RSS" in out
+    assert "peak RSS" in out and "GiB since --quantization int4 began loading" in out
     for quantization, head in (("none", "packed-float32 x15"), ("int4", "int4-g32 x14, int8 x1")):
         data = json.loads((tmp_path / f"report.{quantization}.json").read_text())
         assert data["settings"]["weights"]["target"].startswith(f"float32: {head}")

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import resource
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +33,7 @@ from ..costs import measured_costs
 from ..forensics.oracle import Oracle
 from ..kernels import linear_kernel, main_kernel
 from ..kv import context_limit
+from ..memory import peak_rss_bytes, reset_peak_rss
 from ..methods import METHODS
 from ..models import ModelPair, draft_dtype, eos_token_ids, weights_report
 from ..trace import StepTrace
@@ -146,11 +145,8 @@ def _choose_prompts(args: argparse.Namespace, models: ModelPair) -> tuple[list[B
     return chosen, info
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (loading float32 weights before quantizing them
-    counts: it is what the machine must have)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+# What the printed peak RSS covers when it could not be reset for each format of a sweep.
+RSS_SCOPE = "so far in this process"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
     for quantization in formats:
         print(f"\n=== --quantization {quantization} ===", flush=True)
         outputs = {name: _suffixed(getattr(args, name), quantization) for name in ("json", "csv", "plots", "trace")}
-        status = max(status, _run_one(argparse.Namespace(**{**vars(args), "quantization": quantization, **outputs})))
+        # each format's own peak, not the largest so far (float32 peaks at 3x an int4 pair)
+        scope = f"since --quantization {quantization} began loading" if reset_peak_rss() else RSS_SCOPE
+        status = max(status, _run_one(argparse.Namespace(**{**vars(args), "quantization": quantization,
+                                                             "rss_scope": scope, **outputs})))
     return status
 
 
@@ -237,8 +236,8 @@ def _run_one(args: argparse.Namespace) -> int:
     print(f"torch {machine['torch']}, transformers {machine['transformers']}")
     weights = weights_report(model_config(args), models)
     print(f"weights: {'; '.join(f'{role} {text}' for role, text in weights.items())}; peak RSS "
-          f"{peak_rss_bytes() / 2**30:.2f} GiB so far in this process (outputs are exact against plain decoding "
-          "of this target)\n")
+          f"{peak_rss_bytes() / 2**30:.2f} GiB {getattr(args, 'rss_scope', RSS_SCOPE)} (outputs are exact against "
+          "plain decoding of this target)\n")
     print(render_tables(entries))
     if paired:
         print(f"\n{render_paired(paired)}")
