@@ -221,7 +221,7 @@ class MeasuredCosts:
         now = mean * self.verify_scale / scale_then  # the mean at today's load
         self.seen[shape] = (now + max(SHAPE_SMOOTHING, 1 / (count + 1)) * (verify_s - now), count + 1, self.verify_scale)
         if steps and self.draft is not None:
-            predicted = self.draft(rows, 2) + (steps - 1) * self.draft(rows, 1)
+            predicted = drafting_time(self.draft, rows, steps)  # the table's own, unscaled
             self.draft_scale = _rescaled(self.draft_scale, draft_s, predicted)
         self._overhead = other_s if self._overhead is None else (1 - SMOOTHING) * self._overhead + SMOOTHING * other_s
 
@@ -547,12 +547,17 @@ def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows:
                          files=tuple(c.path for c in found))
 
 
+def drafting_time(draft_time: Callable[[int, int], float], rows: int, steps: int) -> float:
+    """Seconds of `steps` drafter steps over `rows` rows, given a drafter forward's time by (rows,
+    tokens per row): the first step feeds two tokens per row (the pending token and the one before
+    it), the rest one."""
+    return 0.0 if steps == 0 else draft_time(rows, 2) + (steps - 1) * draft_time(rows, 1)
+
+
 def round_time(costs: Costs, rows: int, width: int, steps: int) -> float:
-    """Seconds of a round of `rows` rows verifying `width` drafts each after `steps` drafter steps
-    (the first feeds two tokens per row, the rest one): the one formula the speculation policy and
-    `break_even` price rounds by."""
-    drafting = 0.0 if steps == 0 else costs.draft_time(rows, 2) + (steps - 1) * costs.draft_time(rows, 1)
-    return drafting + costs.verify_time(rows, width + 1) + costs.overhead()
+    """Seconds of a round of `rows` rows verifying `width` drafts each after `steps` drafter steps:
+    the one formula the speculation policy and `break_even` price rounds by."""
+    return drafting_time(costs.draft_time, rows, steps) + costs.verify_time(rows, width + 1) + costs.overhead()
 
 
 def break_even(costs: Costs, rows: int, k: int) -> float | None:
