@@ -23,8 +23,8 @@ from .costs import Costs
 from .draft import Draft, empty_draft
 from .layouts import LayoutView
 from .logprobs import logprobs_of
-from .rows import Rows
 from .prefill import Prefill
+from .rows import Rows
 from .scheduler import make_scheduler
 from .sequence import Sequence
 from .speculation import RoundPlan, RoundTimes, Speculation
