@@ -221,9 +221,7 @@ class GGUFInt4Linear(QuantizedLinear):
             raise BatchspecError(f"int4 weights of shape {tuple(q.shape)} do not fit a linear "
                                  f"{self.out_features}x{self.in_features}")
         self.bits, self.group_size = INT4, GROUP
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-        pairs = torch.stack([scale.to(torch.bfloat16), zero.to(torch.bfloat16)], dim=-1)  # [N, G, 2]
-        self.register_buffer("scales", pairs.transpose(0, 1).contiguous())  # [G, N, 2]
+        self._hold_int4(q, scale, zero)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     @property

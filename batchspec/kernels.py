@@ -218,12 +218,17 @@ class QuantizedLinear(_FrozenLinear):
             self.register_buffer("qweight", q)  # [N, K] int8
             self.register_buffer("scales", scale)  # [N] bfloat16
         elif bits == INT4:
-            q, scale, zero = quantize_int4(weight, group_size)
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K/2]
-            self.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())  # [G, N, 2]
+            self._hold_int4(*quantize_int4(weight, group_size))
         else:
             raise BatchspecError(f"unknown weight quantization {bits!r}; choose int8 or int4")
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def _hold_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Keep int4 values q [N, K] (0..15) packed for this CPU's kernel, whose layout depends on the
+        CPU (so packing happens at load), and scales and zeros [N, G] as the kernel reads them."""
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))  # [N, K/2]
+        pairs = torch.stack([scale.to(torch.bfloat16), zero.to(torch.bfloat16)], dim=-1)  # [N, G, 2]
+        self.register_buffer("scales", pairs.transpose(0, 1).contiguous())  # [G, N, 2]
 
     @property
     def kernel(self) -> str:
