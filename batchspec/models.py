@@ -40,7 +40,7 @@ from .kernels import (
 )
 from .gguf_int4 import apply_bundled_int4, gguf_int4_enabled, use_gguf_int4
 from .memory import return_freed_memory
-from .kv import attention_path, use_exact_attention
+from .kv import attention_path, keeps_float32_modules, use_exact_attention
 from .prompts import unicode_problem
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -234,9 +234,7 @@ class Conversion:
         its linears; None, with nothing changed, where transformers does more than cast: modules it
         keeps in float32 for `dtype`, or a buffer computed at build time whose dtype depends on the
         build dtype (its values would too)."""
-        strict = getattr(model, "_keep_in_fp32_modules_strict", None)
-        kept = getattr(model, "_keep_in_fp32_modules", None)
-        if (strict and dtype in (torch.float16, torch.bfloat16)) or (kept and dtype == torch.float16):
+        if keeps_float32_modules(model, dtype):
             return None
         try:
             with torch.device("meta"):  # parameters' dtypes only: nothing allocated

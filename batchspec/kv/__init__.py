@@ -30,13 +30,14 @@ from .support import (
     context_limit,
     embedding_rows,
     is_stateful,
+    keeps_float32_modules,
     num_layers,
 )
 
 __all__ = [
     "EXACT_ATTENTION", "PrefixCache", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
     "attention_path", "causal_visible", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
-    "forward_left_padded", "forward_plain", "forward_plain_positions", "forward_slots", "is_stateful",
+    "forward_left_padded", "forward_plain", "forward_plain_positions", "forward_slots", "is_stateful", "keeps_float32_modules",
     "new_dynamic_cache", "num_layers",
     "prefix_kv", "prefix_state", "use_exact_attention",
 ]

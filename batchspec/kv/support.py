@@ -103,3 +103,11 @@ def check_stateful(model: torch.nn.Module) -> None:
                 f"{kind}: time_step_limit {tuple(limit)} is applied by multi-token forwards but not by single-token "
                 "steps in transformers 5.24, so verification and plain decoding disagree"
             )
+
+
+def keeps_float32_modules(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether transformers keeps some of `model`'s modules in float32 when it is loaded in `dtype`
+    (read from the model class's private lists), so a plain tensor-by-tensor cast would differ."""
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None)
+    kept = getattr(model, "_keep_in_fp32_modules", None)
+    return bool((strict and dtype in (torch.float16, torch.bfloat16)) or (kept and dtype == torch.float16))
