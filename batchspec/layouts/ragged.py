@@ -27,7 +27,7 @@ class RaggedLayout(Layout):
         super().__init__(model, max_rows, capacity)
         self.prefix: PrefixCache | None = None
         self.space = ""  # this model's name in the prefix cache
-        self._staged_ids: list[int] = []  # the staging row's tokens, kept in the cache when complete
+        self._staging: list[int] = []  # the prompt `begin_stage` started; its first `staged` tokens are in
 
     def use_prefix_cache(self, cache: PrefixCache, space: str) -> None:
         """Fill new rows from `cache` (under this model's `space`) and keep their prompts in it."""
@@ -93,8 +93,7 @@ class RaggedLayout(Layout):
         of them is fed now). Returns `staged`."""
         limit = len(prompt) - 1 if reach is None else reach
         cached = self._reuse(self.num_rows, prompt, limit)
-        self.staged = cached
-        self._staged_ids = prompt[:cached]
+        self.staged, self._staging = cached, prompt
         if reach is not None and cached < reach:
             self.stage(prompt[cached:reach])
         return self.staged
@@ -103,14 +102,13 @@ class RaggedLayout(Layout):
         """The chunk goes into the staging row, row num_rows, after the chunks before it."""
         logits = self._feed_one(self.num_rows, self.staged, tokens)
         self.staged += len(tokens)
-        self._staged_ids += tokens
         self.prefill_fed += len(tokens)
         return logits
 
     def unstage(self) -> None:
         """The staging row already sits where the last row goes: only its cursor is new (and its
         prompt goes into the prefix cache)."""
-        self.remember(self.num_rows, self._staged_ids)
+        self.remember(self.num_rows, self._staging[: self.staged])
         self._append([self.staged])
         self.discard_staged()
 
@@ -118,7 +116,7 @@ class RaggedLayout(Layout):
         """Only the counter goes: the staging row's slots lie past every cursor, so the next stage or
         row overwrites them."""
         self.staged = 0
-        self._staged_ids = []
+        self._staging = []
 
     def drop(self, keep: list[bool]) -> list[int]:
         """Drop rows; a prompt being staged follows the last row down (one row copy, only when rows
