@@ -12,6 +12,9 @@ OUT ?= runs
 # The target's weights for `make run`: int4 (the bundled GGUF's own Q4_K blocks, docs/quantization.md);
 # `make run QUANT=none` runs it in float32, `QUANT=int8` int8.
 QUANT ?= int4
+# How the quantized target computes prompt tokens: `make run PREFILL=int8` (faster prefill, one int8 copy
+# of the int4 weights, further from float32: docs/quantization.md); the default is the weights' kernel.
+PREFILL ?= weights
 
 .PHONY: setup run test test-fast bench clean
 
@@ -31,7 +34,7 @@ $(MODEL_STAMP): $(STAMP)
 
 run: setup
 	$(BIN)/batchspec generate --prompts $(PROMPTS) --method ragged --batch-size 4 --draft-dtype auto \
-		--num-draft-tokens 5 --max-new-tokens 48 --quantization $(QUANT) --verify --output $(OUT)/generate.jsonl
+		--num-draft-tokens 5 --max-new-tokens 48 --quantization $(QUANT) --prefill-kernel $(PREFILL) --verify --output $(OUT)/generate.jsonl
 
 # Tiny-model tests run on one thread each (tests/conftest.py), so two workers use both cores (a test
 # file stays on one worker: its module-scoped fixtures, a Ray cluster, are built once); the real-pair

@@ -26,6 +26,7 @@ LINEAR_KERNELS = ("auto", "packed", "torch")  # batchspec.kernels: auto = packed
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, batchspec.kernels.apply_quantization
 DRAFT_QUANTIZATIONS = (*QUANTIZATIONS, "auto")  # auto: int4 where its kernel runs (models.draft_quantization)
 GROUP_SIZES = (32, 128)  # int4: inputs sharing one scale and zero
+PREFILL_KERNELS = ("weights", "int8")  # prompt tokens of quantized linears: batchspec.kernels.PREFILL_INT8
 # Tokens a continuous-scheduler step may prefill (and feed a lagging drafter) besides its round, by
 # default. Every row waits for them: the bundled 1.5B target prefills ~40-100 tokens/s on a 2-core CPU
 # and a decoding step takes 0.1-0.5 s, so 128 tokens stall the rows ~1.3-3 s a step (256: ~2.5-6 s,
@@ -67,6 +68,9 @@ class ModelConfig:
     plain decoding of the model as loaded. draft_quantization None: "auto" under draft_dtype "auto",
     else the target's; "auto": int4 where its kernel runs and bfloat16 is not native, where it measured
     faster (`models.draft_quantization`). Like the drafter's dtype it changes acceptance, never the output.
+    prefill_kernel "int8": the target's quantized linears compute prompt tokens as int8 x int8 products
+    (`kernels.PREFILL_INT8`), generated tokens by the weights' kernel; plain decoding does the same.
+    The drafter keeps one kernel (its catch-ups feed prompt and generated tokens in one forward).
     """
 
     target: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")
@@ -91,6 +95,11 @@ class ModelConfig:
         choices=list(DRAFT_QUANTIZATIONS))
     quantization_group_size: int = option(32, "int4: inputs per scale and zero (32 or 128)", type=int,
                                           choices=list(GROUP_SIZES))
+    prefill_kernel: str = option(
+        "weights", "prompt tokens of the quantized target's linears: weights = the weights' own kernel; int8 = "
+        "int8 activations (one scale per token) times int8 weights, several times faster prefill for one int8 copy "
+        "of the int4 weights; generated tokens always take the weights' kernel, and plain decoding does the same",
+        choices=list(PREFILL_KERNELS))
     chat_template: bool = option(True, "feed prompts raw, without the chat template", "--no-chat-template",
                                  action="store_false")
     allow_special_tokens: bool = option(
@@ -103,6 +112,10 @@ class ModelConfig:
         if self.draft_quantization is not None and self.draft_quantization not in DRAFT_QUANTIZATIONS:
             raise BatchspecError(f"unknown draft quantization {self.draft_quantization!r}; choose one of "
                                  f"{', '.join(DRAFT_QUANTIZATIONS)}")
+        if self.prefill_kernel not in PREFILL_KERNELS:
+            raise BatchspecError(f"unknown prefill kernel {self.prefill_kernel!r}; choose one of {', '.join(PREFILL_KERNELS)}")
+        if self.prefill_kernel == "int8" and self.quantization == "none":
+            raise BatchspecError("--prefill-kernel int8 is for quantized targets: add --quantization int8 or int4")
         _require_int("quantization_group_size", self.quantization_group_size)
         if self.quantization_group_size not in GROUP_SIZES:
             raise BatchspecError(f"quantization_group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "

@@ -19,7 +19,6 @@ import torch
 from . import sampling
 from .admission import check_slots, token_ids, validate_prompt
 from .config import BatchspecError, SamplingParams, SpecConfig
-from .costs import Costs
 from .draft import Draft, empty_draft
 from .layouts import LayoutView
 from .logprobs import logprobs_of
@@ -67,11 +66,6 @@ class Engine:
         self.trace: NullTrace = NO_TRACE  # records what each step ran (`batchspec.trace`; build_engine sets it)
         self.steps = 0
         self._next_id = 0
-
-    @property
-    def costs(self) -> Costs | None:
-        """The cost model adaptive speculation decides on (measured at `reserve` when not given)."""
-        return self.parts.costs
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, prompt: object, params: SamplingParams) -> list[int]:
@@ -182,16 +176,9 @@ class Engine:
     def _admit(self) -> int:
         """Prefill what the policy admits (`batchspec.prefill`) and start the prompts now complete;
         returns the prompt tokens fed."""
-        home = self.rows.home
-        start, fed_before = self.rows.clock(), home.prefill_fed
-        queries_before, hits_before = home.prefix_queries, home.prefix_hits
-        for seqs, logits in self.prefill.run(self.waiting, len(self.running), self.rows, self.trace):
+        started, fed = self.prefill.run(self.waiting, len(self.running), self.rows, self.trace, self.stats)
+        for seqs, logits in started:
             self._start(seqs, logits)
-        fed = home.prefill_fed - fed_before
-        self.stats.prefill_fed += fed
-        self.stats.prefix_cache_queries += home.prefix_queries - queries_before
-        self.stats.prefix_cache_hits += home.prefix_hits - hits_before
-        self.stats.prefill_time += self.rows.clock() - start
         return fed
 
     def _start(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -236,8 +223,6 @@ class Engine:
                                     probe=plan.steer is not None and plan.steer.probe)
 
     def _plan(self, seqs: list[Sequence], allowance: int | None) -> RoundPlan:
-        if self.k == 0:  # plain decoding: nothing to plan
-            return RoundPlan(0)
         backlog = self.rows.drafter.backlog(seqs) if self.speculation.weighs_backlog else None
         return self.speculation.plan(seqs, backlog, allowance)
 

@@ -215,28 +215,32 @@ class GGUFInt4Linear(QuantizedLinear):
     """A `QuantizedLinear` (int4, groups of 32) whose values, scales and zeros come from a GGUF's Q4_K
     blocks instead of being fitted to float weights; same kernel, same batch invariance."""
 
-    def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 prompt_int8: bool = False) -> None:
         _FrozenLinear.__init__(self, linear)
+        self.register_buffer("prompt_weight", None)
+        self.register_buffer("prompt_scales", None)
         if tuple(q.shape) != (self.out_features, self.in_features):
             raise BatchspecError(f"int4 weights of shape {tuple(q.shape)} do not fit a linear "
                                  f"{self.out_features}x{self.in_features}")
         self.bits, self.group_size = INT4, GROUP
-        self._hold_int4(q, scale, zero)
+        self._hold_int4(q, scale, zero, prompt_int8)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     @property
-    def kernel(self) -> str:
+    def weights_kernel(self) -> str:
         return GGUF_KERNEL
 
 
-def apply_gguf_int4(model: torch.nn.Module, path: Path, load: LinearLoader = None) -> int:
+def apply_gguf_int4(model: torch.nn.Module, path: Path, load: LinearLoader = None, prompt_int8: bool = False) -> int:
     """`--quantization int4` from the stored Q4_K blocks: each linear that has them becomes a
     `GGUFInt4Linear` (its float weight never read), every other linear (Q6_K etc. in the GGUF, the output
     layer) int8 per channel from its float weights after `load` (`kernels.apply_quantization`). Returns
-    how many linears took GGUF blocks."""
+    how many linears took GGUF blocks. `prompt_int8`: every linear also gets the prompt path
+    (`kernels.PREFILL_INT8`)."""
     from safetensors import safe_open
 
-    reason = quantization_unsupported_reason(model, INT4)
+    reason = quantization_unsupported_reason(model, INT4, prompt_int8)
     if reason is not None:
         raise BatchspecError(f"--quantization int4: {reason}")
     try:
@@ -251,7 +255,8 @@ def apply_gguf_int4(model: torch.nn.Module, path: Path, load: LinearLoader = Non
                 if load is not None:
                     load(linear)  # its dtype and bias are the layer's
                 q = unpack_nibbles(f.get_tensor(f"{name}.qweight"))
-                return GGUFInt4Linear(linear, q, f.get_tensor(f"{name}.scales"), f.get_tensor(f"{name}.zeros"))
+                return GGUFInt4Linear(linear, q, f.get_tensor(f"{name}.scales"), f.get_tensor(f"{name}.zeros"),
+                                      prompt_int8)
 
             replaced = replace_linears(model, from_blocks)
     except BatchspecError:
@@ -261,17 +266,18 @@ def apply_gguf_int4(model: torch.nn.Module, path: Path, load: LinearLoader = Non
                              f"delete it and run `batchspec prepare`") from exc
     if stored:
         raise BatchspecError(f"{path.name} holds int4 weights for {min(stored)}, which is not a linear of this model")
-    apply_quantization(model, INT8, load=load)  # the rest: linears not stored as Q4_K, and the output layer
+    apply_quantization(model, INT8, load=load, prompt_int8=prompt_int8)  # the rest: not Q4_K, and the output layer
     return replaced
 
 
-def apply_bundled_int4(model: torch.nn.Module, role: str = "target", load: LinearLoader = None) -> int:
+def apply_bundled_int4(model: torch.nn.Module, role: str = "target", load: LinearLoader = None,
+                       prompt_int8: bool = False) -> int:
     """`apply_gguf_int4` with the bundled `role`'s stored blocks, written first if missing; a model or
     machine the int4 kernel cannot run on is refused before anything is joined or written."""
-    reason = quantization_unsupported_reason(model, INT4)
+    reason = quantization_unsupported_reason(model, INT4, prompt_int8)
     if reason is not None:
         raise BatchspecError(f"--quantization int4: {reason}")
-    return apply_gguf_int4(model, gguf_int4_weights(role), load)
+    return apply_gguf_int4(model, gguf_int4_weights(role), load, prompt_int8)
 
 
 def use_gguf_int4(source: str | None, role: str, quantization: str, group_size: int) -> bool:

@@ -19,7 +19,9 @@ int4 in groups of 32 or 128) run torch's own CPU kernels (`aten._weight_int8pack
 slower). Why these and no other path: a row's output must not depend on the other rows of its
 forward (docs/quantization.md has the measurements), and a forward of 1 to 64 rows takes the same
 kernel. Dequantizing a weight per call for the float32 kernel costs more than the quantized product
-of 64 rows (docs/quantization.md), so no shape is routed elsewhere.
+of 64 rows (docs/quantization.md), so no shape is routed elsewhere. What may differ is a token's
+role: under `--prefill-kernel int8` prompt tokens take int8 x int8 products (`torch._int_mm`,
+`PREFILL_INT8`), generated tokens the weights' kernel, wherever either is computed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import torch
 
 from .bundled import short_reason
 from .config import GROUP_SIZES, LINEAR_KERNELS, QUANTIZATIONS, BatchspecError
+from .kv.support import as_linear, is_linear
 from .memory import return_freed_memory
+from .roles import prompt_positions
 
 PACKED, TORCH = "packed", "torch"
 # oneDNN's packed float32 product of one or two rows takes a slower path than that of three or
@@ -153,6 +157,15 @@ _QUANT_OPS = {INT8: ("_weight_int8pack_mm",),
               INT4: ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")}
 _VECTOR_CPUS = ("AVX2", "AVX512")  # torch's vectorized x86 paths of both kernels; elsewhere a scalar loop
 
+# `--prefill-kernel int8`: prompt tokens only (`roles.prompt_pass`) take int8 x int8 products
+# (`QuantizedLinear._prompt_product`), which prefill several times faster than the weight-only
+# kernels, whose cost grows with every few rows (docs/quantization.md). Exactness needs a token to
+# take the same product wherever it is computed: a prompt token always as a prompt token (prefill,
+# a prefill chunk, the oracle's prefill), a generated one always by the weights' kernel (a decoding
+# step, a verify). Routing by a forward's size instead would not keep that.
+PREFILL_INT8 = "prefill-int8"
+INT_MM_MIN_ROWS = 17  # torch._int_mm's least number of rows (its checks are the CUDA kernel's)
+
 
 # Weights are quantized this many values at a time (whole rows): every step below is per row, so the
 # result does not depend on the split, and the float32 temporaries of a 151936x1536 output layer
@@ -165,14 +178,15 @@ def _row_blocks(weight: torch.Tensor) -> list[slice]:
     return [slice(lo, lo + rows) for lo in range(0, weight.shape[0], rows)]
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per output channel: weight ~= q * scale with q in [-127, 127]. The scale is rounded
-    to bfloat16 (what the kernel reads) before q is computed, so q is chosen for the scale used."""
+    to `scale_dtype` (bfloat16: what the int8 kernel reads) before q is computed, so q is chosen for
+    the scale used."""
     n, k = weight.shape
-    q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=torch.bfloat16)
+    q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=scale_dtype)
     for rows in _row_blocks(weight):
         w = weight[rows].detach().float()  # [n, K]
-        scale[rows] = (w.abs().amax(dim=1) / 127).to(torch.bfloat16)
+        scale[rows] = (w.abs().amax(dim=1) / 127).to(scale_dtype)
         divisor = torch.where(scale[rows] == 0, 1.0, scale[rows].float())[:, None]  # an all-zero row stays 0
         q[rows] = torch.round(w / divisor).clamp(-127, 127).to(torch.int8)
     return q, scale
@@ -208,54 +222,105 @@ class QuantizedLinear(_FrozenLinear):
     to 64 rows), so the engine's exactness argument holds as for float linears. Weights are packed
     here, at load: the int4 layout depends on the CPU that packs it, so it is never stored on disk."""
 
-    def __init__(self, linear: torch.nn.Linear, bits: str, group_size: int = 32) -> None:
+    def __init__(self, linear: torch.nn.Linear, bits: str, group_size: int = 32, prompt_int8: bool = False) -> None:
         super().__init__(linear)
         self.bits = bits
         self.group_size = group_size if bits == INT4 else self.in_features
+        self.register_buffer("prompt_weight", None)  # `--prefill-kernel int8` only (`_hold_prompt`)
+        self.register_buffer("prompt_scales", None)
         weight = linear.weight.detach()
         if bits == INT8:
             q, scale = quantize_int8(weight)
             self.register_buffer("qweight", q)  # [N, K] int8
             self.register_buffer("scales", scale)  # [N] bfloat16
+            if prompt_int8:
+                self._hold_prompt(q, scale.float())
         elif bits == INT4:
-            self._hold_int4(*quantize_int4(weight, group_size))
+            self._hold_int4(*quantize_int4(weight, group_size), prompt_int8=prompt_int8)
         else:
             raise BatchspecError(f"unknown weight quantization {bits!r}; choose int8 or int4")
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def _hold_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+    def _hold_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, prompt_int8: bool = False) -> None:
         """Keep int4 values q [N, K] (0..15) packed for this CPU's kernel, whose layout depends on the
-        CPU (so packing happens at load), and scales and zeros [N, G] as the kernel reads them."""
+        CPU (so packing happens at load), and scales and zeros [N, G] as the kernel reads them. With
+        `prompt_int8`, also the int8 prompt weights, fitted per output channel to the weights the int4
+        kernel computes with (`(q - 8) * scale + zero`, scale and zero in bfloat16)."""
+        scale, zero = scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+        if prompt_int8:
+            groups = scale.shape[1]
+            values = (q.float().reshape(q.shape[0], groups, -1) - 8) * scale.float()[..., None] + zero.float()[..., None]
+            self._hold_prompt(*quantize_int8(values.reshape(q.shape), torch.float32))  # values: [N, K] float32
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))  # [N, K/2]
-        pairs = torch.stack([scale.to(torch.bfloat16), zero.to(torch.bfloat16)], dim=-1)  # [N, G, 2]
+        pairs = torch.stack([scale, zero], dim=-1)  # [N, G, 2]
         self.register_buffer("scales", pairs.transpose(0, 1).contiguous())  # [G, N, 2]
+
+    def _hold_prompt(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """The prompt path's weights: q [N, K] int8 (int8 layers: their own, no copy) and the
+        per-output-channel scale [N] in float32."""
+        self.register_buffer("prompt_weight", q)  # [N, K] int8
+        self.register_buffer("prompt_scales", scale.float())  # [N]
+
+    @property
+    def weights_kernel(self) -> str:
+        """The kernel of generated tokens (and of prompt tokens without a prompt path)."""
+        return INT8 if self.bits == INT8 else f"{INT4}-g{self.group_size}"
 
     @property
     def kernel(self) -> str:
         """How this layer computes, as summaries and the cost model's cache key name it."""
-        return INT8 if self.bits == INT8 else f"{INT4}-g{self.group_size}"
+        if self.prompt_weight is None:
+            return self.weights_kernel
+        return f"{self.weights_kernel}+{PREFILL_INT8}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, K]
-        if self.bits == INT8:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)  # [rows, N]
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales)
-        out = out.to(x.dtype)
+        prompt = prompt_positions() if self.prompt_weight is not None else 0
+        if prompt and x.dim() >= 2 and prompt < x.shape[-2]:  # [..., tokens, K]: a prompt and what follows it
+            return torch.cat([self._product(x[..., :prompt, :], True), self._product(x[..., prompt:, :], False)], dim=-2)
+        return self._product(x, prompt > 0)
+
+    def _product(self, x: torch.Tensor, prompt: bool) -> torch.Tensor:
+        """x [..., K] -> [..., N] by the prompt path or the weights' kernel."""
+        flat = x.reshape(-1, self.in_features)  # [rows, K]
+        out = (self._prompt_product(flat) if prompt else self._weights_product(flat)).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _weights_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, K] -> [rows, N] by the weights' own kernel, on bfloat16 activations."""
+        flat = flat.to(torch.bfloat16)
+        if self.bits == INT8:
+            return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales)
+
+    def _prompt_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, K] -> [rows, N] as int8 x int8 products: each row quantized with its own scale, the
+        products summed in int32 (exact, so no blocking of the kernel can change a bit), then scaled
+        back element by element. Every step is per row: a row's result does not depend on the others."""
+        flat = flat.float()
+        step = flat.abs().amax(dim=1, keepdim=True) / 127  # [rows, 1]
+        step = torch.where(step > 0, step, 1.0)  # an all-zero row stays zero
+        q = torch.round(flat / step).clamp_(-127, 127).to(torch.int8)  # [rows, K]
+        rows = q.shape[0]
+        if rows < INT_MM_MIN_ROWS:  # the kernel's lower bound on rows: zero rows, which change no other row
+            q = torch.nn.functional.pad(q, (0, 0, 0, INT_MM_MIN_ROWS - rows))
+        total = torch._int_mm(q, self.prompt_weight.t())[:rows]  # [rows, N] int32; [K, N] as a view
+        return total.float() * step * self.prompt_scales
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self.kernel} weights")
 
 
-def quantization_kernel_reason(bits: str, device: torch.device) -> str | None:
-    """Why torch's `bits` kernels cannot run on `device` (device kind, torch build, CPU), or None."""
+def quantization_kernel_reason(bits: str, device: torch.device, prompt_int8: bool = False) -> str | None:
+    """Why torch's `bits` kernels (and, with `prompt_int8`, the prompt path's) cannot run on `device`
+    (device kind, torch build, CPU), or None."""
     if device.type != "cpu":
         return f"quantized linears are CPU kernels (model is on {device.type})"
     missing = [name for name in _QUANT_OPS[bits] if not hasattr(torch.ops.aten, name)]
+    if prompt_int8 and not hasattr(torch.ops.aten, "_int_mm"):
+        missing.append("_int_mm (--prefill-kernel int8)")
     if missing:
         return f"this torch build ({torch.__version__}) lacks {', '.join('aten.' + m for m in missing)}"
     capability = torch.backends.cpu.get_cpu_capability()
@@ -265,12 +330,12 @@ def quantization_kernel_reason(bits: str, device: torch.device) -> str | None:
     return None
 
 
-def quantization_unsupported_reason(model: torch.nn.Module, bits: str) -> str | None:
-    """Why `model` cannot run `bits` weights here, or None when it can."""
+def quantization_unsupported_reason(model: torch.nn.Module, bits: str, prompt_int8: bool = False) -> str | None:
+    """Why `model` cannot run `bits` weights (and the prompt path) here, or None when it can."""
     param = next(model.parameters())
     if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"quantized linears take float32, bfloat16 or float16 models, not {param.dtype}"
-    return quantization_kernel_reason(bits, param.device)
+    return quantization_kernel_reason(bits, param.device, prompt_int8)
 
 
 def _quantizable(linear: torch.nn.Linear, bits: str, group_size: int) -> bool:
@@ -282,12 +347,13 @@ def _quantizable(linear: torch.nn.Linear, bits: str, group_size: int) -> bool:
 
 
 def apply_quantization(model: torch.nn.Module, quantization: str, group_size: int = 32,
-                       load: LinearLoader = None) -> None:
+                       load: LinearLoader = None, prompt_int8: bool = False) -> None:
     """Replace the model's `nn.Linear`s by `QuantizedLinear`s of `quantization` ("none", "int8",
     "int4"), in place, each after `load` (see `LinearLoader`). Under int4 the output layer is int8: it
     is the layer whose errors reach the logits unmixed, and a Q4_K_M file keeps it at 6 bits for the
     same reason. A linear whose shape the kernels cannot take stays float (`weights_summary` lists
-    it). Anything that cannot run here is one BatchspecError line."""
+    it). `prompt_int8`: each but the output layer also gets the prompt path (`PREFILL_INT8`).
+    Anything that cannot run here is one BatchspecError line."""
     if quantization not in QUANTIZATIONS:
         raise BatchspecError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if group_size not in GROUP_SIZES:
@@ -295,7 +361,7 @@ def apply_quantization(model: torch.nn.Module, quantization: str, group_size: in
                              f"got {group_size!r}")
     if quantization == NONE:
         return
-    reason = quantization_unsupported_reason(model, quantization)
+    reason = quantization_unsupported_reason(model, quantization, prompt_int8)
     if reason is not None:
         raise BatchspecError(f"--quantization {quantization}: {reason}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -306,7 +372,10 @@ def apply_quantization(model: torch.nn.Module, quantization: str, group_size: in
         if load is not None:
             load(linear)  # a layer left in float too: the probe below runs it
         bits = INT8 if name == head_name else quantization
-        return QuantizedLinear(linear, bits, group_size) if _quantizable(linear, bits, group_size) else None
+        if not _quantizable(linear, bits, group_size):
+            return None
+        # The output layer computes a prefill's last position only: no prompt path to pay for there.
+        return QuantizedLinear(linear, bits, group_size, prompt_int8 and name != head_name)
 
     replace_linears(model, quantized)
     try:
@@ -314,6 +383,11 @@ def apply_quantization(model: torch.nn.Module, quantization: str, group_size: in
     except Exception as exc:  # modeling code that computes with a linear's weight
         raise BatchspecError(f"--quantization {quantization}: {type(model).__name__} does not run with quantized "
                              f"linears ({short_reason(exc)})") from exc
+
+
+def has_prompt_path(model: torch.nn.Module) -> bool:
+    """Whether prompt tokens take another product than generated ones in `model` (`PREFILL_INT8`)."""
+    return any(isinstance(m, QuantizedLinear) and m.prompt_weight is not None for m in model.modules())
 
 
 def weights_summary(model: torch.nn.Module) -> str:
@@ -336,7 +410,7 @@ def _kernel_counts(model: torch.nn.Module) -> Counter[str]:
             counts[module.kernel] += 1
         elif isinstance(module, PackedLinear):
             counts[f"{PACKED}-{str(module.weight_dtype).removeprefix('torch.')}"] += 1
-        elif isinstance(module, torch.nn.Linear):
+        elif isinstance(module, torch.nn.Linear) or is_linear(module):
             counts[f"{TORCH}-{str(module.weight.dtype).removeprefix('torch.')}"] += 1
     return counts
 
@@ -386,18 +460,19 @@ def pack_linears(model: torch.nn.Module, load: LinearLoader = None) -> int:
 
 
 def replace_linears(model: torch.nn.Module, make: Callable[[str, torch.nn.Linear], torch.nn.Module | None]) -> int:
-    """Replace each `nn.Linear` of `model` (exactly that class) by `make(its qualified name, it)`, in place,
-    keeping those for which `make` returns None; returns how many were replaced. Each replaced linear
+    """Replace each linear layer of `model` (`kv.is_linear`: an `nn.Linear`, or GPT-2's `Conv1D` taken
+    as one) by `make(its qualified name, it as an nn.Linear)`, in place, keeping those for which `make`
+    returns None; returns how many were replaced. Each replaced linear
     is released at once: a loaded weight may still map its checkpoint file, whose pages it read stay
     resident as long as it lives, so holding every replaced linear to the end of the pass (a list
     of `model.modules()` does) counted all the float weights in the load's peak RSS."""
     parents = [(name, module) for name, module in model.named_modules()
-               if any(type(child) is torch.nn.Linear for child in module.children())]
+               if any(is_linear(child) for child in module.children())]
     replaced = 0
     for parent_name, parent in parents:
-        names = [name for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+        names = [name for name, child in parent.named_children() if is_linear(child)]
         for name in names:
-            layer = make(f"{parent_name}.{name}" if parent_name else name, getattr(parent, name))
+            layer = make(f"{parent_name}.{name}" if parent_name else name, as_linear(getattr(parent, name)))
             if layer is not None:
                 setattr(parent, name, layer)
                 replaced += 1

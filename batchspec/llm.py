@@ -134,7 +134,7 @@ class LLM:
                 yield self._output(index, prompts[index], seq, start + engine.stats.calibration_s)
         finally:
             self.stats.merge(engine.stats)
-            self.costs = engine.costs
+            self.costs = engine.parts.costs  # measured at the first reserve when not given
 
     def _output(self, index: int, prompt: Prompt, seq: Sequence, start: float) -> RequestOutput:
         return RequestOutput(

@@ -105,12 +105,13 @@ def _load_tokenizer(folder: Path, gguf_file: str | None) -> PreTrainedTokenizerB
 
 def load_model(
     source: str | None, role: str = "target", dtype: str = "float32", device: str = "cpu",
-    linear_kernel: str = "auto", quantization: str = "none", group_size: int = 32,
+    linear_kernel: str = "auto", quantization: str = "none", group_size: int = 32, prefill_kernel: str = "weights",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer in eval mode on ``device``, its linear layers on
     ``linear_kernel`` (`batchspec.kernels`: packed oneDNN weights on CPU unless "torch"), quantized
     first if ``quantization`` is "int8" or "int4" (`kernels.apply_quantization`; layers it cannot take
-    stay on ``linear_kernel``).
+    stay on ``linear_kernel``); with ``prefill_kernel`` "int8" those quantized linears compute prompt
+    tokens as int8 x int8 products (`kernels.PREFILL_INT8`).
 
     ``source`` None means the bundled model for ``role`` ("target" or "draft"). Attention is
     batchspec's batch-invariant path (`kv.use_exact_attention`) wherever transformers' SDPA or eager
@@ -137,10 +138,11 @@ def load_model(
         raise BatchspecError(f"could not move model from {label} to {device}: {short_reason(exc)}") from exc
     model.eval()
     load = None if conversion is None else conversion.load
+    prompt_int8 = prefill_kernel == "int8" and quantization != "none"
     if use_gguf_int4(source, role, quantization, group_size) and gguf_int4_enabled():
-        apply_bundled_int4(model, role, load)  # the GGUF's own Q4_K blocks (batchspec.gguf_int4)
+        apply_bundled_int4(model, role, load, prompt_int8)  # the GGUF's own Q4_K blocks (batchspec.gguf_int4)
     else:
-        apply_quantization(model, quantization, group_size, load)
+        apply_quantization(model, quantization, group_size, load, prompt_int8)
     apply_linear_kernel(model, linear_kernel, load)
     if conversion is not None:
         conversion.finish()  # linears no pass took (`--linear-kernel torch`, no quantization)
@@ -494,7 +496,8 @@ def load_pair(config: ModelConfig, need_draft: bool = True) -> ModelPair:
         parse_dtype(drafter_dtype)
     target_model, target_tok = load_model(config.target, role="target", dtype=config.dtype, device=config.device,
                                           linear_kernel=config.linear_kernel, quantization=config.quantization,
-                                          group_size=config.quantization_group_size)
+                                          group_size=config.quantization_group_size,
+                                          prefill_kernel=config.prefill_kernel)
     if not need_draft:
         return ModelPair(target=target_model, draft=None, tokenizer=target_tok)
     draft_model, draft_tok = load_model(config.draft, role="draft", dtype=drafter_dtype, device=config.device,

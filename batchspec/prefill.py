@@ -15,6 +15,7 @@ import torch
 from .rows import Rows
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .stats import EngineStats
 from .trace import NullTrace
 
 # Prompts whose prefill completed this step, with the target's last prompt logits [b, vocab].
@@ -29,11 +30,22 @@ class Prefill:
         self.budget = budget  # prompt tokens a step may feed (None: whole prompts at admission)
         self.staging: Sequence | None = None  # the prompt being fed in chunks
 
-    def run(self, waiting: deque[Sequence], running: int, rows: Rows, trace: NullTrace) -> Started:
-        """Feed this step's prompt tokens, with `running` rows decoding; the prompts now complete."""
+    def run(self, waiting: deque[Sequence], running: int, rows: Rows, trace: NullTrace,
+            stats: EngineStats) -> tuple[Started, int]:
+        """Feed this step's prompt tokens, with `running` rows decoding: the prompts now complete and
+        the token positions the target computed, both counted in `stats` with the time it took."""
+        home, start = rows.home, rows.clock()
+        fed, queries, hits = home.prefill_fed, home.prefix_queries, home.prefix_hits
         if self.budget is None:
-            return self._whole(waiting, running, rows, trace)
-        return self._chunks(waiting, running, rows, trace)
+            started = self._whole(waiting, running, rows, trace)
+        else:
+            started = self._chunks(waiting, running, rows, trace)
+        fed = home.prefill_fed - fed
+        stats.prefill_fed += fed
+        stats.prefix_cache_queries += home.prefix_queries - queries
+        stats.prefix_cache_hits += home.prefix_hits - hits
+        stats.prefill_time += rows.clock() - start
+        return started, fed
 
     def abort(self, request_id: int, rows: Rows) -> Sequence | None:
         """The staging prompt if it is `request_id`'s (its rows are discarded), else None."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .config import BatchspecError, SamplingParams
+from .roles import prompt_pass
 from .kv import forward_plain, forward_plain_positions, new_dynamic_cache
 from .logprobs import TokenLogprob, token_logprob
 from .sampling import filter_logits, gumbel_argmax, keyed_gumbel
@@ -39,7 +40,8 @@ def _decode(
     stop = set(stop_ids)
     device = next(model.parameters()).device
     cache = new_dynamic_cache(model)
-    logits = forward_plain(model, torch.tensor([prompt_ids], device=device), cache)
+    with prompt_pass():  # prompt tokens take the prompt path where the model has one, as in the engines
+        logits = forward_plain(model, torch.tensor([prompt_ids], device=device), cache)
     generated: list[int] = []
     while True:
         token = choose(logits, len(generated))
@@ -129,7 +131,8 @@ def prompt_logprobs(model: torch.nn.Module, prompt_ids: list[int], params: Sampl
     fed = len(prompt_ids) - 1  # the last token's logits predict generated text, not the prompt
     for start in range(0, fed, PROMPT_CHUNK):
         piece = prompt_ids[start : min(start + PROMPT_CHUNK, fed)]
-        logits = forward_plain_positions(model, torch.tensor([piece], device=device), cache)
+        with prompt_pass():
+            logits = forward_plain_positions(model, torch.tensor([piece], device=device), cache)
         for j, row in enumerate(logits):
             found.append(token_logprob(row, params, prompt_ids[start + j + 1], top))
     return found

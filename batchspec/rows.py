@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .drafters import Drafter
+from .kernels import has_prompt_path
 from .layouts import Layout, LayoutView
 from .sequence import Sequence
 
@@ -23,6 +24,9 @@ class Rows:
         self.home = home
         self.layout = home  # where a round runs
         self.drafter = drafter
+        # With a prompt path (`kernels.PREFILL_INT8`) a generated token's K/V is not what a prefill of
+        # it would compute, so a finished row leaves only its prompt in the prefix cache.
+        self.cache_answers = not has_prompt_path(home.model)
 
     @property
     def max_rows(self) -> int:
@@ -74,7 +78,7 @@ class Rows:
         tokens in its prefix cache, if it has one, so a later prompt that continues one (the next
         turn of a chat) finds it. The drafter's rows may lag, so only the target's are kept."""
         for row, seq in zip(rows, seqs):
-            self.home.remember(row, seq.tokens[: seq.length - 1])
+            self.home.remember(row, seq.tokens[: seq.length - 1] if self.cache_answers else seq.prompt_ids)
 
     def drop(self, keep: list[bool]) -> list[int]:
         """Remove rows where `keep` is False; the surviving rows' old indices, in their new order."""
@@ -107,7 +111,7 @@ class Rows:
         lengths and, for rows `sample`, cached K/V), the rectangle the round ran on when it is not
         home (its structure and positions), and the drafter's."""
         views = [LayoutView("target", self.home, [s.length - 1 for s in running],
-                            [s.tokens[:-1] for s in running], sample)]
+                            [s.tokens[:-1] for s in running], sample, [len(s.prompt_ids) for s in running])]
         if self.layout is not self.home:
             views.append(LayoutView("target group", self.layout, None, [], []))
         return views + self.drafter.views(running, sample)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,9 +28,22 @@ def run_children(script: str, names: list[str], results: Path, settings: dict, c
         print(f"running {name} ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as work:
             out = Path(work) / "result.json"
-            subprocess.run([sys.executable, script, "--child", name, "--child-out", str(out), *child_args],
-                           env={**os.environ, **env_for(name)}, check=True)
+            done = subprocess.run([sys.executable, script, "--child", name, "--child-out", str(out), *child_args],
+                                  env={**os.environ, **env_for(name)})
+            if done.returncode != 0:
+                raise SystemExit(f"{name} failed ({_exit_reason(done.returncode)}); the runs before it are kept in {results}")
             runs[name] = json.loads(out.read_text())
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(runs))
     return runs
+
+
+def _exit_reason(code: int) -> str:
+    """A child's exit, in words: an illegal instruction is a build for another CPU (a wheel from a cache)."""
+    if code >= 0:
+        return f"exit status {code}"
+    name = signal.Signals(-code).name
+    if name == "SIGILL":
+        return ("SIGILL: it was built for another CPU; rebuild it here, e.g. pip install --no-cache-dir "
+                "--force-reinstall llama-cpp-python")
+    return name

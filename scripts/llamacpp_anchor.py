@@ -33,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from child_runs import run_children  # noqa: E402
 from quant_fidelity import common_prefix, cpu_line, prompts  # noqa: E402
 
-ENGINES = ("llama.cpp", "batchspec-none", "batchspec-int8", "batchspec-int4")
+# batchspec-<weights>[+prefill-int8]: plain decoding of the target with those weights (and prompt path)
+ENGINES = ("llama.cpp", "batchspec-none", "batchspec-int8", "batchspec-int4", "batchspec-int8+prefill-int8",
+           "batchspec-int4+prefill-int8")
+PROMPT_PATH = "+prefill-int8"
 
 
 def run_llamacpp(num_prompts: int, max_new_tokens: int, threads: int) -> dict:
@@ -83,7 +86,9 @@ def run_batchspec(quantization: str, num_prompts: int, max_new_tokens: int) -> d
     from batchspec.models import eos_token_ids, load_model
 
     chosen, _ = prompts(num_prompts, max_new_tokens)
-    model, tokenizer = load_model(None, role="target", quantization=quantization)
+    weights = quantization.removesuffix(PROMPT_PATH)
+    prefill = "int8" if quantization.endswith(PROMPT_PATH) else "weights"
+    model, tokenizer = load_model(None, role="target", quantization=weights, prefill_kernel=prefill)
     stop = eos_token_ids(model, tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     warm = build_engine(model, SpecConfig(method="ar", batch_size=1), stop)
@@ -121,7 +126,7 @@ def report(runs: dict[str, dict], engines: list[str]) -> str:
              f"{len(any_run['ids'])} SpecBench prompts (as `batchspec bench` picks them), prompt tokens "
              f"{sum(any_run['prompt_tokens'])} in all ({min(any_run['prompt_tokens'])}-{max(any_run['prompt_tokens'])}), "
              "batch 1, greedy, chat template, fresh prefill per prompt, one engine at a time", ""]
-    header = (f"{'engine':>16} | prefill tok/s | decode tok/s | end-to-end tok/s | generated | wall s | "
+    header = (f"{'engine':>27} | prefill tok/s | decode tok/s | end-to-end tok/s | generated | wall s | "
               "same as batchspec float32")
     lines += [header, "-" * len(header)]
     base = summary(runs["llama.cpp"]) if "llama.cpp" in runs else None
@@ -133,7 +138,7 @@ def report(runs: dict[str, dict], engines: list[str]) -> str:
             same = sum(a == b for a, b in zip(ref["outputs"], run["outputs"]))
             matched = sum(common_prefix(a, b) for a, b in zip(ref["outputs"], run["outputs"]))
             agree = f"{same}/{len(ref['outputs'])} identical, {100 * matched / sum(map(len, ref['outputs'])):.1f}% tokens"
-        lines.append(f"{name:>16} | {s['prefill_tok_s']:>13.1f} | {s['decode_tok_s']:>12.2f} | "
+        lines.append(f"{name:>27} | {s['prefill_tok_s']:>13.1f} | {s['decode_tok_s']:>12.2f} | "
                      f"{s['e2e_tok_s']:>16.2f} | {s['generated']:>9} | {s['wall_s']:>6.0f} | {agree}")
     if base is not None:
         lines.append("")

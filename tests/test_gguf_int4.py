@@ -182,7 +182,7 @@ def test_a_machine_without_the_kernel_is_refused_before_anything_is_written(tiny
 
     _, _, spec = tiny_q4k_bundle
     converted_dir(spec)
-    monkeypatch.setattr("batchspec.gguf_int4.quantization_unsupported_reason", lambda model, bits: "no int4 kernel here")
+    monkeypatch.setattr("batchspec.gguf_int4.quantization_unsupported_reason", lambda model, bits, prompt_int8=False: "no int4 kernel here")
     with pytest.raises(BatchspecError, match="^--quantization int4: no int4 kernel here$"):
         load_model(None, role="target", quantization="int4")
     assert not weights_path(spec).exists()

@@ -160,9 +160,9 @@ def test_quantizing_a_model_replaces_what_fits_and_leaves_the_rest_in_float():
     pack_linears(coarse)
     summary = weights_summary(coarse)
     assert "int4-g128 x2" in summary and "packed-float32 x12" in summary and "int8 x1" in summary
-    gpt2 = tiny_model("gpt2", vocab_size=VOCAB_SIZE)  # blocks are Conv1D: only the head is a Linear
+    gpt2 = tiny_model("gpt2", vocab_size=VOCAB_SIZE)  # blocks are Conv1D, quantized as linears
     apply_quantization(gpt2, "int8")
-    assert weights_summary(gpt2) == "int8 x1"
+    assert weights_summary(gpt2) == "int8 x9"  # 2 layers x (c_attn, attn c_proj, c_fc, mlp c_proj) + head
 
 
 def test_bad_quantization_settings_are_one_clear_line(monkeypatch):

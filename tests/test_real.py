@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from tinyworld import ScriptedCosts
 
 from batchspec.bench.specbench import SPECBENCH_FILE, task_group
 from batchspec.bundled import bundled_installed
@@ -80,8 +81,6 @@ def test_real_pair_matches_plain_greedy(method):
 def test_real_pair_adaptive_and_lookup_match_plain_greedy(speculation, drafter):
     """Widths chosen per round (on a scripted cost model shaped like this CPU's: a 6-token verify ~2.3x
     a 1-token one, a drafter step ~0.4x), n-gram rows with and without matches: still plain greedy."""
-    from tinyworld import ScriptedCosts
-
     spec = SpecConfig(method="ragged", num_draft_tokens=5, batch_size=4, speculation=speculation, drafter=drafter,
                       ngram_min=2, ngram_max=4)
     llm = LLM(spec=spec, models=pair(), costs=ScriptedCosts(verify_base=0.29, verify_token=0.1, draft_step=0.16))
@@ -100,3 +99,19 @@ def test_real_pair_text_prompts_and_error_records():
     assert "def" in outputs[0].text
     ids = encode_prompt(pair().tokenizer, "Write a Python function that adds two numbers.")
     assert outputs[0].token_ids == greedy_decode(pair().target, ids, 12, llm.stop_ids)
+
+
+def test_real_int4_target_with_int8_prefill_matches_its_plain_greedy():
+    """The bundled target in int4 from its GGUF blocks with `--prefill-kernel int8` (prompt tokens as
+    int8 x int8 products), the drafter int4: chunked prefill that splits prompts mid-way, batch 4, still
+    plain greedy decoding of that same model, prompt by prompt."""
+    models = load_pair(ModelConfig(quantization="int4", draft_quantization="int4", prefill_kernel="int8"))
+    spec = SpecConfig(method="ragged", num_draft_tokens=4, batch_size=4, speculation="fixed", scheduler="continuous",
+                      max_prefill_tokens=48)
+    llm = LLM(spec=spec, models=models, costs=ScriptedCosts(verify_base=0.1, verify_token=0.03, draft_step=0.04))
+    chosen = [list(p) for p in prompts()[:4]]
+    outputs = llm.generate(chosen, SamplingParams(max_new_tokens=24))
+    mismatched = [o.index for o, p in zip(outputs, chosen)
+                  if o.token_ids != greedy_decode(models.target, p, 24, llm.stop_ids)]
+    assert mismatched == [], f"prompts {mismatched} diverged from plain greedy decoding of the int4 + int8-prefill target"
+    assert llm.stats.accepted > 0

@@ -21,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..config import BatchspecError, SpecConfig
 from ..forensics.oracle import Oracle
-from ..kv import forward_all_positions
+from ..kv import forward_all_positions, prompt_first_forwards
 from ..layouts.base import left_padded
 from ..llm import LLM
 from ..models import ModelPair
@@ -256,7 +256,8 @@ def run_hf(
     prefill = 0.0
     prefill_tokens = prefill_fed = 0
     try:
-        with _plain_generation_configs(models, template.num_draft_tokens), _bar(len(prompts), desc) as bar:
+        with (_plain_generation_configs(models, template.num_draft_tokens), prompt_first_forwards(target),
+              _bar(len(prompts), desc) as bar):
             start = time.perf_counter()
             for lo in range(0, len(prompts), spec.batch_size):
                 batch = prompts[lo: lo + spec.batch_size]

@@ -52,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--calibration-rows must be >= 1, got {args.calibration_rows}")
     if args.margin is not None and args.margin < 0:
         raise BatchspecError(f"--margin must be >= 0, got {args.margin}")
+    if getattr(args, "prefill_kernel", "weights") == "int8":
+        # its scores and fp-tie margin come from forwards that feed a prompt and generated tokens at once
+        raise BatchspecError("audit does not take --prefill-kernel int8 yet: audit with --prefill-kernel weights "
+                             "(`generate --verify` checks an int8-prefill run against plain decoding)")
     inputs = [args.prompts, args.outputs]
     report = check_writable(args.report, "--report", inputs)  # before the audit: its result must not be lost
     markdown = check_writable(args.markdown, "--markdown", inputs) if args.markdown else None

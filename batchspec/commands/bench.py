@@ -160,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
         outputs = {name: _suffixed(getattr(args, name), quantization) for name in ("json", "csv", "plots", "trace")}
         # each format's own peak, not the largest so far (float32 peaks at 3x an int4 pair)
         scope = f"since --quantization {quantization} began loading" if reset_peak_rss() else RSS_SCOPE
+        # float linears have no prompt path: --prefill-kernel int8 applies to the quantized formats
+        prefill = args.prefill_kernel if quantization != "none" else "weights"
         status = max(status, _run_one(argparse.Namespace(**{**vars(args), "quantization": quantization,
-                                                             "rss_scope": scope, **outputs})))
+                                                             "prefill_kernel": prefill, "rss_scope": scope,
+                                                             **outputs})))
     return status
 
 

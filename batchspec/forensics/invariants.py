@@ -38,12 +38,14 @@ def check_layout(
     expected_lengths: list[int] | None,
     prefixes: list[list[int]],
     sample_rows: list[int],
+    prompt_lengths: list[int] | None = None,
 ) -> None:
     """Raise InvariantError on the first broken invariant.
 
     expected_lengths: what each row's committed length must be (None when the layout's commit is
     lazy, as for drafters); prefixes[b]: token ids whose K/V row b must hold (a prefix of the
-    committed tokens), checked for `sample_rows` only (it costs a forward per row).
+    committed tokens), checked for `sample_rows` only (it costs a forward per row); the fresh forward
+    computes the first prompt_lengths[b] of them as prompt tokens (`roles.prompt_pass`).
     """
 
     def fail(row: int | None, what: str) -> None:
@@ -67,17 +69,18 @@ def check_layout(
     for row in sample_rows:
         start, count = layout.row_slots(row)
         prefix = prefixes[row]
+        prompt_length = prompt_lengths[row] if prompt_lengths is not None else 0
         if len(prefix) > count:
             fail(row, f"asked to check {len(prefix)} tokens but only {count} are committed")
         if isinstance(layout, StatefulLayout):
-            problem = _stateful_row_problem(layout, row, prefix)
+            problem = _stateful_row_problem(layout, row, prefix, prompt_length)
             if problem:
                 fail(row, problem)
             continue
         if not prefix:
             continue
         cached = layout.store.row_kv(row, start, len(prefix)).float()
-        fresh = prefix_kv(layout.model, prefix).float()
+        fresh = prefix_kv(layout.model, prefix, prompt_length).float()
         scale = 1.0 + fresh.abs().max().item()
         err = (cached - fresh).abs().max().item()
         if err > _tolerance(layout.store.data.dtype) * scale:
@@ -92,18 +95,18 @@ def _differs(cached: torch.Tensor, fresh: torch.Tensor) -> float | None:
     return err if err > tolerance * (1.0 + fresh.abs().max().item()) else None
 
 
-def _stateful_row_problem(layout: StatefulLayout, row: int, prefix: list[int]) -> str | None:
+def _stateful_row_problem(layout: StatefulLayout, row: int, prefix: list[int], prompt_length: int) -> str | None:
     """What is wrong with one row of a stateful layout, if anything: its committed states against a
     fresh forward over the committed tokens (a prefix of `prefix`: a drafter commits lazily), and its
     attention K/V against a fresh forward over `prefix`."""
     count, states = layout.committed_state(row)
     if count > len(prefix):
         return f"state of {count} tokens committed but only {len(prefix)} are known to be right"
-    kv, fresh = prefix_state(layout.model, prefix) if prefix else (None, {})
+    kv, fresh = prefix_state(layout.model, prefix, prompt_length) if prefix else (None, {})
     if count == 0:
         fresh = {key: torch.zeros_like(value) for key, value in states.items()}
     elif count < len(prefix):
-        fresh = prefix_state(layout.model, prefix[:count])[1]
+        fresh = prefix_state(layout.model, prefix[:count], prompt_length)[1]
     for key, want in fresh.items():
         if key not in states:
             return f"no committed {key[1]} state for layer {key[0]}"
@@ -121,4 +124,5 @@ def _stateful_row_problem(layout: StatefulLayout, row: int, prefix: list[int]) -
 def check_views(views: list[LayoutView], round_index: int) -> None:
     """The engine's per-round hook (injected by `batchspec.build.build_engine`): check every view."""
     for view in views:
-        check_layout(view.layout, view.name, round_index, view.expected_lengths, view.prefixes, view.sample_rows)
+        check_layout(view.layout, view.name, round_index, view.expected_lengths, view.prefixes, view.sample_rows,
+                     view.prompt_lengths)

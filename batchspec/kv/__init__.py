@@ -19,16 +19,19 @@ from .forward import (
     forward_slots,
     new_dynamic_cache,
     prefix_kv,
+    prompt_first_forwards,
 )
 from .prefix import PrefixCache
 from .slots import SlotStore
 from .state import StatefulSlotStore, StateKey, StateStore, prefix_state
 from .support import (
     STATEFUL_ARCHITECTURES,
+    as_linear,
     check_stateful,
     check_supported,
     context_limit,
     embedding_rows,
+    is_linear,
     is_stateful,
     keeps_float32_modules,
     num_layers,
@@ -36,8 +39,8 @@ from .support import (
 
 __all__ = [
     "EXACT_ATTENTION", "PrefixCache", "STATEFUL_ARCHITECTURES", "SlotStore", "StateKey", "StateStore", "StatefulSlotStore",
-    "attention_path", "causal_visible", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
-    "forward_left_padded", "forward_plain", "forward_plain_positions", "forward_slots", "is_stateful", "keeps_float32_modules",
+    "as_linear", "attention_path", "causal_visible", "check_stateful", "check_supported", "context_limit", "embedding_rows", "forward_all_positions",
+    "forward_left_padded", "forward_plain", "forward_plain_positions", "forward_slots", "prompt_first_forwards", "is_linear", "is_stateful", "keeps_float32_modules",
     "new_dynamic_cache", "num_layers",
     "prefix_kv", "prefix_state", "use_exact_attention",
 ]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
+from ..roles import prompt_pass
 from .attention import use_exact_attention
 from .slots import SlotStore
 
@@ -79,11 +84,13 @@ def _forward_cached(model: torch.nn.Module, input_ids: torch.Tensor, cache: Dyna
 
 
 @torch.inference_mode()
-def prefix_kv(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+def prefix_kv(model: torch.nn.Module, token_ids: list[int], prompt_length: int = 0) -> torch.Tensor:
     """K/V of a prefix computed from scratch, batch 1, on transformers' own DynamicCache, stacked as
-    [layers, 2, heads, len, dim] to compare with a SlotStore row."""
+    [layers, 2, heads, len, dim] to compare with a SlotStore row; its first `prompt_length` tokens
+    are its prompt (`roles.prompt_pass`)."""
     cache = new_dynamic_cache(model)
-    forward_plain(model, torch.tensor([token_ids], device=next(model.parameters()).device), cache)
+    with prompt_pass(prompt_length):
+        forward_plain(model, torch.tensor([token_ids], device=next(model.parameters()).device), cache)
     return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
 
 
@@ -115,3 +122,30 @@ def forward_left_padded(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     )
     return out.logits[:, -1].float()
 
+
+
+@contextmanager
+def prompt_first_forwards(model: torch.nn.Module) -> Iterator[None]:
+    """Within: a forward of `model` on an empty cache (the prompt of transformers' `generate`) is a
+    prompt pass (`roles.prompt_pass`) and every later one is not, so transformers' generate
+    computes prompt tokens as the engines and plain decoding do."""
+    open_passes: list[AbstractContextManager[None]] = []
+
+    def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or cache.get_seq_length() == 0:
+            entered = prompt_pass()
+            entered.__enter__()
+            open_passes.append(entered)
+
+    def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        while open_passes:
+            open_passes.pop().__exit__(None, None, None)
+
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True),
+               model.register_forward_hook(after, with_kwargs=True, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, LinearAttentionCacheLayerMixin
 
 from ..errors import BatchspecError
+from ..roles import prompt_pass
 from .forward import forward_plain, new_dynamic_cache
 from .slots import SlotStore, _SlotLayer
 from .support import _layer_types
@@ -302,13 +303,15 @@ class StatefulSlotStore(SlotStore):
 
 @torch.inference_mode()
 def prefix_state(
-    model: torch.nn.Module, token_ids: list[int]
+    model: torch.nn.Module, token_ids: list[int], prompt_length: int = 0
 ) -> tuple[torch.Tensor | None, dict[StateKey, torch.Tensor]]:
-    """What a fresh batch-1 forward over a prefix leaves in the model's own DynamicCache: the K/V of
-    its attention layers stacked as [attention layers, 2, heads, len, dim] (None without any), and
-    each stateful layer's states keyed like `StateStore.committed`."""
+    """What a fresh batch-1 forward over a prefix (its first `prompt_length` tokens its prompt)
+    leaves in the model's own DynamicCache: the K/V of its attention layers stacked as [attention
+    layers, 2, heads, len, dim] (None without any), and each stateful layer's states keyed like
+    `StateStore.committed`."""
     cache = new_dynamic_cache(model)
-    forward_plain(model, torch.tensor([token_ids], device=next(model.parameters()).device), cache)
+    with prompt_pass(prompt_length):
+        forward_plain(model, torch.tensor([token_ids], device=next(model.parameters()).device), cache)
     kv, states = [], {}
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, CacheLayerMixin) and getattr(layer, "keys", None) is not None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.pytorch_utils import Conv1D
 
 from ..errors import BatchspecError
 
@@ -22,6 +23,26 @@ def embedding_rows(model: torch.nn.Module) -> int:
 def context_limit(model: torch.nn.Module) -> int | None:
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return int(limit) if limit else None
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    """Whether `module` is a linear layer the kernels take: an `nn.Linear` (exactly that class) or
+    transformers' `Conv1D` (GPT-2's blocks: the same product, the weight stored [in, out])."""
+    return type(module) is torch.nn.Linear or type(module) is Conv1D
+
+
+def as_linear(module: torch.nn.Module) -> torch.nn.Linear:
+    """`module` (`is_linear`) as an `nn.Linear`: a `Conv1D`'s weight transposed into a new one. Left
+    to itself, a `Conv1D` runs torch's addmm, whose result for a row changes with how many rows a
+    forward feeds (1-2 rows against 3 or more on an AVX-512 EPYC), so a GPT-2's verify and its plain
+    decoding step would disagree in the last bits; as a linear it takes the row-invariant kernels."""
+    if type(module) is torch.nn.Linear:
+        return module
+    linear = torch.nn.Linear(module.nx, module.nf, bias=module.bias is not None, device="meta")
+    linear.weight = torch.nn.Parameter(module.weight.detach().t().contiguous(), requires_grad=False)  # [nf, nx]
+    if module.bias is not None:
+        linear.bias = torch.nn.Parameter(module.bias.detach(), requires_grad=False)
+    return linear
 
 
 def check_supported(model: torch.nn.Module) -> None:

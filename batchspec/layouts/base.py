@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..costs import wall_clock
+from ..roles import prompt_pass
 from ..kv import SlotStore, causal_visible, context_limit, forward_slots, num_layers, use_exact_attention
 
 FILLER_TOKEN = 0  # fed in pad positions; masked out, so its value never matters (no pad token needed)
@@ -94,16 +95,21 @@ class Layout(ABC):
         cache), so only the rest is fed, at its own positions. Returns last-position logits."""
         cached = cached or [0] * len(prompts)
         logits = []
-        for start, count in equal_runs([(len(p), c) for p, c in zip(prompts, cached)]):
-            size, skip = len(prompts[start]), cached[start]
-            ids = torch.tensor([p[skip:] for p in prompts[start : start + count]], dtype=torch.long, device=self.device)
-            positions = torch.arange(skip, size, device=self.device).expand(count, size - skip)
-            offset = 0 if align_to is None else align_to - size
-            rows = slice(first_row + start, first_row + start + count)
-            out = self._run(rows, ids, positions, causal_visible(positions, size), offset + skip, 1, kv_start=offset)
-            logits.append(out[:, -1])
-            self.prefill_fed += ids.numel()
+        with prompt_pass():
+            for start, count in equal_runs([(len(p), c) for p, c in zip(prompts, cached)]):
+                logits.append(self._prefill_run(prompts[start : start + count], cached[start], first_row + start, align_to))
         return torch.cat(logits)
+
+    def _prefill_run(self, prompts: list[list[int]], skip: int, first_row: int, align_to: int | None) -> torch.Tensor:
+        """One forward of prompts of one length, each row's first `skip` tokens cached: last-position logits."""
+        size, count = len(prompts[0]), len(prompts)
+        ids = torch.tensor([p[skip:] for p in prompts], dtype=torch.long, device=self.device)
+        positions = torch.arange(skip, size, device=self.device).expand(count, size - skip)
+        offset = 0 if align_to is None else align_to - size
+        rows = slice(first_row, first_row + count)
+        out = self._run(rows, ids, positions, causal_visible(positions, size), offset + skip, 1, kv_start=offset)
+        self.prefill_fed += ids.numel()
+        return out[:, -1]
 
     def begin_stage(self, prompt: list[int], reach: int | None = None) -> int:
         """Chunked prefill: start staging `prompt`; what is in already (`staged`, 0 without a cache)."""
@@ -171,7 +177,8 @@ class LayoutView:
 
     expected_lengths: each row's committed length (None where commits are lazy, as for drafters);
     prefixes[b]: token ids whose K/V row b must hold; sample_rows: rows whose K/V is recomputed and
-    compared (a forward per row, so only a sample).
+    compared (a forward per row, so only a sample); prompt_lengths[b]: how many of prefixes[b] are
+    row b's prompt, which a model with a prompt path computes by it (None: no such model).
     """
 
     name: str
@@ -179,6 +186,7 @@ class LayoutView:
     expected_lengths: list[int] | None
     prefixes: list[list[int]]
     sample_rows: list[int]
+    prompt_lengths: list[int] | None = None
 
 
 def swap_remove_order(keep: list[bool]) -> list[int]:

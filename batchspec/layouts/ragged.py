@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..roles import prompt_pass
 from ..kv import PrefixCache, causal_visible
 from .base import Layout
 
@@ -100,7 +101,8 @@ class RaggedLayout(Layout):
 
     def stage(self, tokens: list[int]) -> torch.Tensor:
         """The chunk goes into the staging row, row num_rows, after the chunks before it."""
-        logits = self._feed_one(self.num_rows, self.staged, tokens)
+        with prompt_pass():
+            logits = self._feed_one(self.num_rows, self.staged, tokens)
         self.staged += len(tokens)
         self.prefill_fed += len(tokens)
         return logits

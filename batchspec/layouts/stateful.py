@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from ..roles import prompt_pass
 from ..kv import StatefulSlotStore, StateKey, causal_visible, forward_slots
 from .base import Layout
 
@@ -55,6 +56,11 @@ class StatefulLayout(Layout):
 
     # ---- the Layout contract ----------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        with prompt_pass():
+            return self._prefill(prompts)
+
+    def _prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Each prompt but its last token fed row by row, then the rows' last tokens in one step."""
         first, count = self.num_rows, len(prompts)
         self.prefill_fed += sum(map(len, prompts))
         new = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long, device=self.device)

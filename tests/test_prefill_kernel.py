@@ -1,0 +1,185 @@
+"""`--prefill-kernel int8`: prompt tokens of quantized linears as int8 x int8 products
+(`kernels.PREFILL_INT8`). Exactness rests on two facts tested here: the product is batch-invariant
+(a row's result does not depend on the other rows), and every prompt token takes it wherever it is
+computed (whole prefill, chunks, a prefix-cache fill, plain decoding, transformers' generate) while
+every generated token takes the weights' own kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts, save_pair, tiny_model
+
+from batchspec.build import build_engine
+from batchspec.cli import main
+from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
+from batchspec.kernels import (
+    INT_MM_MIN_ROWS,
+    QuantizedLinear,
+    apply_quantization,
+    has_prompt_path,
+    pack_linears,
+    quantization_kernel_reason,
+    weight_bytes,
+    weights_summary,
+)
+from batchspec.kv import forward_plain, new_dynamic_cache, prompt_first_forwards
+from batchspec.models import load_pair
+from batchspec.reference import greedy_decode, reference_decode
+from batchspec.roles import prompt_pass
+
+pytestmark = pytest.mark.skipif(quantization_kernel_reason("int4", torch.device("cpu"), prompt_int8=True) is not None,
+                                reason="torch's quantized CPU kernels or _int_mm do not run here")
+
+SHAPES = [(256, 256), (512, 128), (128, 512), (32, 256)]
+KINDS = [("int8", 32), ("int4", 32), ("int4", 128)]
+
+
+def layer(shape: tuple[int, int], bits: str, group: int, prompt_int8: bool = True) -> QuantizedLinear:
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    return QuantizedLinear(torch.nn.Linear(in_features, out_features), bits, group, prompt_int8)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits, group", KINDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_prompt_rows_product_does_not_depend_on_the_other_rows(shape, bits, group, threads):
+    """A row alone (padded up to the kernel's least row count) equals, bit for bit, the same row
+    inside 2..300 rows whose others are random and scaled x100, and inside a [batch, tokens] input."""
+    quantized = layer(shape, bits, group)
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(64, shape[1], generator=generator)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), prompt_pass():
+            alone = torch.cat([quantized(rows[i:i + 1]) for i in range(8)])
+            for m in [2, 5, 16, INT_MM_MIN_ROWS, 31, 64, 129, 300]:
+                others = torch.randn(m, shape[1], generator=generator) * 100
+                batch = torch.cat([rows[:1], others[1:]])
+                assert torch.equal(quantized(batch)[:1], alone[:1]), f"row 0 changed inside {m} rows"
+            tokens = quantized(rows[:12].reshape(3, 4, shape[1]))  # [batch, tokens, features]
+            assert torch.equal(tokens.reshape(12, -1)[:8], alone)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("bits, group", KINDS)
+def test_only_a_prompt_pass_takes_the_prompt_product_and_it_stays_close(bits, group):
+    """Outside a prompt pass the layer computes exactly what it computes without a prompt path; inside,
+    another product (so the routing tests below are not vacuous), close to the float product."""
+    with_path, without = layer((256, 512), bits, group), layer((256, 512), bits, group, prompt_int8=False)
+    x = torch.randn(20, 512)
+    with torch.no_grad():
+        assert torch.equal(with_path(x), without(x))
+        with prompt_pass():
+            prompt = with_path(x)
+        weights = without(x)
+    assert not torch.equal(prompt, weights)
+    assert float((prompt - weights).norm() / weights.norm()) < 0.03
+    if bits == "int8":  # the int8 weights themselves: no second copy
+        assert with_path.prompt_weight.data_ptr() == with_path.qweight.data_ptr()
+
+
+def quantized_pair(arch: str, quantization: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    target = tiny_model(arch, vocab_size=VOCAB_SIZE)
+    draft = perturbed_copy(target, noise=0.02, seed=1)
+    apply_quantization(target, quantization, prompt_int8=True)
+    apply_quantization(draft, "int4" if quantization == "int8" else "int8")
+    pack_linears(target)
+    pack_linears(draft)
+    return target, draft
+
+
+def test_the_prompt_path_changes_what_plain_decoding_computes():
+    """The oracle's prefill takes the prompt path: its logits differ from the weights' kernel's (so an
+    engine that skipped the prompt pass anywhere would diverge from it)."""
+    target, _ = quantized_pair("qwen2", "int4")
+    prompt = torch.tensor([random_prompts(1, [12], seed=5)[0]])
+    with torch.inference_mode():
+        weights = forward_plain(target, prompt, new_dynamic_cache(target))
+        with prompt_pass():
+            prompt_logits = forward_plain(target, prompt, new_dynamic_cache(target))
+    assert not torch.equal(weights, prompt_logits)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("method, scheduler, speculation, chunk", [
+    ("ragged", "continuous", "fixed", 5), ("ragged", "continuous", "adaptive", 0), ("ragged", "static", "fixed", None),
+    ("eqspec", None, "fixed", None), ("exspec", "pool", "fixed", None), ("ar", "continuous", None, 3),
+])
+def test_engines_with_a_prompt_path_equal_plain_decoding(quantization, method, scheduler, speculation, chunk):
+    """Whole, chunked and pooled prefills, padded rectangles and adaptive rounds on targets and drafters
+    with a prompt path: every output is plain decoding of its prompt alone, token for token, greedy
+    and seeded."""
+    target, draft = quantized_pair("llama", quantization)
+    prompts = random_prompts(6, [1, 4, 9, 13, 20, 4], seed=3)
+    spec = SpecConfig(method=method, scheduler=scheduler, speculation=speculation, num_draft_tokens=4, batch_size=3,
+                      max_prefill_tokens=chunk, check_invariants=True)
+    engine = build_engine(target, spec, (), draft_model=draft if method != "ar" else None,
+                          costs=ScriptedCosts(1.0, 0.1, 0.2))
+    for params in [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, seed=7)]:
+        outputs = engine.generate(prompts, params)
+        for prompt, seq in zip(prompts, outputs):
+            assert seq.generated == reference_decode(target, prompt, params), f"prompt {seq.index} diverged"
+
+
+def test_a_chats_next_turn_is_exact_with_a_prompt_path():
+    """A finished row keeps only its prompt in the prefix cache: its answer's K/V came from the
+    weights' kernel, where plain decoding of the next turn computes those tokens as prompt."""
+    target, draft = quantized_pair("qwen2", "int4")
+    spec = SpecConfig(method="ragged", speculation="fixed", num_draft_tokens=3, batch_size=2,
+                      prefix_cache_gb=0.01, check_invariants=True)
+    engine = build_engine(target, spec, draft_model=draft)
+    engine.reserve(rows=2, capacity=128)
+    first = random_prompts(1, [37], seed=62)[0]
+    params = SamplingParams(max_new_tokens=20)
+    answer = engine.generate([first], params)[0].generated
+    second = first + answer + random_prompts(1, [7], seed=63)[0]
+    hits = engine.stats.prefix_cache_hits
+    assert engine.generate([second], params)[0].generated == reference_decode(target, second, params)
+    assert engine.stats.prefix_cache_hits - hits == len(first) // 16 * 16  # the prompt's blocks, not the answer's
+
+
+def test_transformers_generate_computes_its_prompt_on_the_prompt_path():
+    """The bench's transformers baselines: generate's first forward (the prompt) takes the prompt path
+    and its next ones do not, so its logits are plain decoding's bit for bit."""
+    target, _ = quantized_pair("qwen2", "int8")
+    prompt = random_prompts(1, [9], seed=4)[0]
+    with torch.inference_mode(), prompt_first_forwards(target):
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        cache = new_dynamic_cache(target)
+        with prompt_pass():
+            first = forward_plain(target, torch.tensor([prompt]), cache)
+        second = forward_plain(target, out.sequences[:, len(prompt):len(prompt) + 1], cache)
+    assert torch.equal(out.logits[0].float(), first.float()) and torch.equal(out.logits[1].float(), second.float())
+    assert out.sequences[0, len(prompt):].tolist() == greedy_decode(target, prompt, 3)
+
+
+def test_loading_names_the_prompt_path_and_counts_its_bytes(tmp_path):
+    target_dir, draft_dir = save_pair(tmp_path)
+    plain = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int4", draft_quantization="int8"))
+    pair = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int4", draft_quantization="int8",
+                                 prefill_kernel="int8"))
+    assert not has_prompt_path(plain.target) and has_prompt_path(pair.target) and not has_prompt_path(pair.draft)
+    assert "+prefill-int8 x" in weights_summary(pair.target) and "+prefill-int8" not in weights_summary(plain.target)
+    assert "int8 x1" in weights_summary(pair.target)  # the output layer: no prompt path
+    assert weight_bytes(pair.target) > weight_bytes(plain.target)
+
+
+def test_bad_prefill_kernel_settings_are_one_clear_line(tmp_path, capsys):
+    with pytest.raises(BatchspecError, match="quantized targets"):
+        ModelConfig(prefill_kernel="int8")
+    with pytest.raises(BatchspecError, match="unknown prefill kernel"):
+        ModelConfig(quantization="int4", prefill_kernel="fp8")
+    prompts, outputs = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"id": 0, "prompt": "hi"}\n')
+    outputs.write_text('{"id": 0, "text": "hi"}\n')
+    code = main(["audit", "--prompts", str(prompts), "--outputs", str(outputs), "--report", str(tmp_path / "r.json"),
+                 "--quantization", "int4", "--prefill-kernel", "int8"])
+    assert code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prefill-kernel int8" in err[0]
