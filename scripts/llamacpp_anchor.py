@@ -180,8 +180,8 @@ def main() -> int:
     if "llama.cpp" in engines:
         try:
             import llama_cpp  # noqa: F401
-        except ImportError:
-            parser.error("llama-cpp-python is not installed: pip install -e '.[anchor]' (builds llama.cpp, ~15 min)")
+        except ImportError as exc:  # not installed, or installed without its dependencies
+            parser.error(f"llama-cpp-python cannot be imported ({exc}): pip install -e '.[anchor]' (builds llama.cpp, ~15 min)")
     runs = run_children(__file__, engines, Path(args.results),
                         {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens},
                         ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
