@@ -165,6 +165,20 @@ _VECTOR_CPUS = ("AVX2", "AVX512")  # torch's vectorized x86 paths of both kernel
 # step, a verify). Routing by a forward's size instead would not keep that.
 PREFILL_INT8 = "prefill-int8"
 INT_MM_MIN_ROWS = 17  # torch._int_mm's least number of rows (its checks are the CUDA kernel's)
+# A prompt token's activations share one int8 scale per block of at most this many values. One scale
+# for all 8,960 inputs of the bundled target's down projections (the SwiGLU products, whose outliers
+# then set the step for every value) cost most of the fidelity; blocks of 1,280 there recovered it
+# (docs/quantization.md), and the 1,536-wide inputs keep one scale.
+PROMPT_SCALE_BLOCK = 1536
+
+
+def scale_blocks(k: int) -> int:
+    """How many blocks a prompt token's `k` activations are quantized in: the fewest that split `k`
+    evenly, each at most PROMPT_SCALE_BLOCK values."""
+    blocks = -(-k // PROMPT_SCALE_BLOCK)
+    while k % blocks:
+        blocks += 1
+    return blocks
 
 
 # Weights are quantized this many values at a time (whole rows): every step below is per row, so the
@@ -295,18 +309,26 @@ class QuantizedLinear(_FrozenLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales)
 
     def _prompt_product(self, flat: torch.Tensor) -> torch.Tensor:
-        """[rows, K] -> [rows, N] as int8 x int8 products: each row quantized with its own scale, the
-        products summed in int32 (exact, so no blocking of the kernel can change a bit), then scaled
-        back element by element. Every step is per row: a row's result does not depend on the others."""
-        flat = flat.float()
-        step = flat.abs().amax(dim=1, keepdim=True) / 127  # [rows, 1]
-        step = torch.where(step > 0, step, 1.0)  # an all-zero row stays zero
-        q = torch.round(flat / step).clamp_(-127, 127).to(torch.int8)  # [rows, K]
-        rows = q.shape[0]
+        """[rows, K] -> [rows, N] as int8 x int8 products: each row's activations quantized with a
+        scale per block of its own (`scale_blocks`), each block's products summed in int32 (exact, so
+        no blocking of the kernel can change a bit), then scaled back and added block after block,
+        element by element. Every step is per row: a row's result does not depend on the others."""
+        rows, k = flat.shape
+        blocks = scale_blocks(k)
+        width = k // blocks
+        x = flat.float().reshape(rows, blocks, width)  # [rows, blocks, width]
+        step = x.abs().amax(dim=2, keepdim=True) / 127  # [rows, blocks, 1]
+        step = torch.where(step > 0, step, 1.0)  # an all-zero block stays zero
+        q = torch.round(x / step).clamp_(-127, 127).to(torch.int8)  # [rows, blocks, width]
         if rows < INT_MM_MIN_ROWS:  # the kernel's lower bound on rows: zero rows, which change no other row
-            q = torch.nn.functional.pad(q, (0, 0, 0, INT_MM_MIN_ROWS - rows))
-        total = torch._int_mm(q, self.prompt_weight.t())[:rows]  # [rows, N] int32; [K, N] as a view
-        return total.float() * step * self.prompt_scales
+            q = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, INT_MM_MIN_ROWS - rows))
+        total: torch.Tensor | None = None
+        for b in range(blocks):
+            lo = b * width
+            part = torch._int_mm(q[:, b].contiguous(), self.prompt_weight[:, lo:lo + width].t())[:rows]  # [rows, N] int32
+            part = part.float() * step[:, b]  # [rows, N] * [rows, 1]
+            total = part if total is None else total + part
+        return total * self.prompt_scales
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -15,11 +15,13 @@ from batchspec.cli import main
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
 from batchspec.kernels import (
     INT_MM_MIN_ROWS,
+    PROMPT_SCALE_BLOCK,
     QuantizedLinear,
     apply_quantization,
     has_prompt_path,
     pack_linears,
     quantization_kernel_reason,
+    scale_blocks,
     weight_bytes,
     weights_summary,
 )
@@ -31,7 +33,7 @@ from batchspec.roles import prompt_pass
 pytestmark = pytest.mark.skipif(quantization_kernel_reason("int4", torch.device("cpu"), prompt_int8=True) is not None,
                                 reason="torch's quantized CPU kernels or _int_mm do not run here")
 
-SHAPES = [(256, 256), (512, 128), (128, 512), (32, 256)]
+SHAPES = [(256, 256), (512, 128), (128, 512), (32, 256), (64, 3200)]  # K = 3200: activation scales per 800
 KINDS = [("int8", 32), ("int4", 32), ("int4", 128)]
 
 
@@ -65,12 +67,22 @@ def test_a_prompt_rows_product_does_not_depend_on_the_other_rows(shape, bits, gr
         torch.set_num_threads(previous)
 
 
+def test_activation_scale_blocks_split_the_inputs_evenly_and_stay_narrow():
+    assert [scale_blocks(k) for k in (64, 1536, 1537, 3200, 8960)] == [1, 1, 29, 4, 7]
+    for k in range(1, 5000, 7):
+        blocks = scale_blocks(k)
+        assert k % blocks == 0 and k // blocks <= PROMPT_SCALE_BLOCK
+
+
+@pytest.mark.parametrize("in_features", [512, 3200])
 @pytest.mark.parametrize("bits, group", KINDS)
-def test_only_a_prompt_pass_takes_the_prompt_product_and_it_stays_close(bits, group):
+def test_only_a_prompt_pass_takes_the_prompt_product_and_it_stays_close(bits, group, in_features):
     """Outside a prompt pass the layer computes exactly what it computes without a prompt path; inside,
-    another product (so the routing tests below are not vacuous), close to the float product."""
-    with_path, without = layer((256, 512), bits, group), layer((256, 512), bits, group, prompt_int8=False)
-    x = torch.randn(20, 512)
+    another product (so the routing tests below are not vacuous), close to the float product, with
+    one activation scale (K = 512) and with four (K = 3200)."""
+    shape = (256, in_features)
+    with_path, without = layer(shape, bits, group), layer(shape, bits, group, prompt_int8=False)
+    x = torch.randn(20, in_features)
     with torch.no_grad():
         assert torch.equal(with_path(x), without(x))
         with prompt_pass():
