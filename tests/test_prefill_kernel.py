@@ -48,7 +48,8 @@ def layer(shape: tuple[int, int], bits: str, group: int, prompt_int8: bool = Tru
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_prompt_rows_product_does_not_depend_on_the_other_rows(shape, bits, group, threads):
     """A row alone (padded up to the kernel's least row count) equals, bit for bit, the same row
-    inside 2..300 rows whose others are random and scaled x100, and inside a [batch, tokens] input."""
+    first or last inside 2..300 rows (several slices of PROMPT_ROWS) whose others are random and
+    scaled x100, and inside a [batch, tokens] input."""
     quantized = layer(shape, bits, group)
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(64, shape[1], generator=generator)
@@ -59,8 +60,10 @@ def test_a_prompt_rows_product_does_not_depend_on_the_other_rows(shape, bits, gr
             alone = torch.cat([quantized(rows[i:i + 1]) for i in range(8)])
             for m in [2, 5, 16, INT_MM_MIN_ROWS, 31, 64, 129, 300]:
                 others = torch.randn(m, shape[1], generator=generator) * 100
-                batch = torch.cat([rows[:1], others[1:]])
-                assert torch.equal(quantized(batch)[:1], alone[:1]), f"row 0 changed inside {m} rows"
+                batch = torch.cat([rows[:1], others[1:-1], rows[1:2]]) if m > 1 else rows[:1]
+                out = quantized(batch)
+                assert torch.equal(out[:1], alone[:1]), f"row 0 changed inside {m} rows"
+                assert torch.equal(out[-1:], alone[1:2] if m > 1 else alone[:1]), f"the last of {m} rows changed"
             tokens = quantized(rows[:12].reshape(3, 4, shape[1]))  # [batch, tokens, features]
             assert torch.equal(tokens.reshape(12, -1)[:8], alone)
     finally:
