@@ -252,7 +252,7 @@ class QuantizedLinear(_FrozenLinear):
             self.register_buffer("qweight", q)  # [N, K] int8
             self.register_buffer("scales", scale)  # [N] bfloat16
             if prompt_int8:
-                self._hold_prompt(q, scale.float())
+                self._hold_prompt(q, scale)
         elif bits == INT4:
             self._hold_int4(*quantize_int4(weight, group_size), prompt_int8=prompt_int8)
         else:

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .config import BatchspecError, SamplingParams
-from .roles import prompt_pass
 from .kv import forward_plain, forward_plain_positions, new_dynamic_cache
 from .logprobs import TokenLogprob, token_logprob
+from .roles import prompt_pass
 from .sampling import filter_logits, gumbel_argmax, keyed_gumbel
 
 # Prompt positions whose logits one forward of `prompt_logprobs` keeps: [chunk, vocab] float32 is

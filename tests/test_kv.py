@@ -23,7 +23,7 @@ from batchspec.kv import (
 )
 from batchspec.layouts.padded import PaddedLayout
 from batchspec.layouts.ragged import RaggedLayout
-from tinyworld import tiny_model
+from tinyworld import tiny_model, torch_threads
 
 LAYERS, ROWS, HEADS, CAPACITY, DIM = 2, 3, 2, 8, 4
 
@@ -67,10 +67,8 @@ def test_copy_rows_still_moves_what_it_is_asked_to():
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request):
     """The engine runs on every core; the tiny-model tests on one (conftest): check both."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with torch_threads(request.param):
+        yield request.param
 
 
 def test_the_matmul_shapes_exact_attention_uses_round_alike_on_this_cpu(threads):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts, save_pair, tiny_model
+from tinyworld import VOCAB_SIZE, ScriptedCosts, next_turn, perturbed_copy, random_prompts, save_pair, tiny_model, torch_threads
 
 from batchspec.build import build_engine
 from batchspec.cli import main
@@ -53,21 +53,16 @@ def test_a_prompt_rows_product_does_not_depend_on_the_other_rows(shape, bits, gr
     quantized = layer(shape, bits, group)
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(64, shape[1], generator=generator)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad(), prompt_pass():
-            alone = torch.cat([quantized(rows[i:i + 1]) for i in range(8)])
-            for m in [2, 5, 16, INT_MM_MIN_ROWS, 31, 64, 129, 300]:
-                others = torch.randn(m, shape[1], generator=generator) * 100
-                batch = torch.cat([rows[:1], others[1:-1], rows[1:2]]) if m > 1 else rows[:1]
-                out = quantized(batch)
-                assert torch.equal(out[:1], alone[:1]), f"row 0 changed inside {m} rows"
-                assert torch.equal(out[-1:], alone[1:2] if m > 1 else alone[:1]), f"the last of {m} rows changed"
-            tokens = quantized(rows[:12].reshape(3, 4, shape[1]))  # [batch, tokens, features]
-            assert torch.equal(tokens.reshape(12, -1)[:8], alone)
-    finally:
-        torch.set_num_threads(previous)
+    with torch_threads(threads), torch.no_grad(), prompt_pass():
+        alone = torch.cat([quantized(rows[i:i + 1]) for i in range(8)])
+        for m in [2, 5, 16, INT_MM_MIN_ROWS, 31, 64, 129, 300]:
+            others = torch.randn(m, shape[1], generator=generator) * 100
+            batch = torch.cat([rows[:1], others[1:-1], rows[1:2]]) if m > 1 else rows[:1]
+            out = quantized(batch)
+            assert torch.equal(out[:1], alone[:1]), f"row 0 changed inside {m} rows"
+            assert torch.equal(out[-1:], alone[1:2] if m > 1 else alone[:1]), f"the last of {m} rows changed"
+        tokens = quantized(rows[:12].reshape(3, 4, shape[1]))  # [batch, tokens, features]
+        assert torch.equal(tokens.reshape(12, -1)[:8], alone)
 
 
 def test_activation_scale_blocks_split_the_inputs_evenly_and_stay_narrow():
@@ -148,13 +143,10 @@ def test_a_chats_next_turn_is_exact_with_a_prompt_path():
                       prefix_cache_gb=0.01, check_invariants=True)
     engine = build_engine(target, spec, draft_model=draft)
     engine.reserve(rows=2, capacity=128)
-    first = random_prompts(1, [37], seed=62)[0]
     params = SamplingParams(max_new_tokens=20)
-    answer = engine.generate([first], params)[0].generated
-    second = first + answer + random_prompts(1, [7], seed=63)[0]
-    hits = engine.stats.prefix_cache_hits
-    assert engine.generate([second], params)[0].generated == reference_decode(target, second, params)
-    assert engine.stats.prefix_cache_hits - hits == len(first) // 16 * 16  # the prompt's blocks, not the answer's
+    first, _, second, output, hits = next_turn(engine, 37, params)
+    assert output == reference_decode(target, second, params)
+    assert hits == len(first) // 16 * 16  # the prompt's blocks, not the answer's
 
 
 def test_transformers_generate_computes_its_prompt_on_the_prompt_path():

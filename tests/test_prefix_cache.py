@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts, tiny_model, tiny_stateful_model
+from tinyworld import VOCAB_SIZE, ScriptedCosts, next_turn, perturbed_copy, random_prompts, tiny_model, tiny_stateful_model
 
 from batchspec.build import build_engine
 from batchspec.config import BatchspecError, SamplingParams, SpecConfig
@@ -214,15 +214,11 @@ def test_the_next_turn_of_a_conversation_prefills_only_what_is_new():
                       prefix_cache_gb=0.01, check_invariants=True)
     engine = build_engine(target, spec, draft_model=draft)
     engine.reserve(rows=2, capacity=128)
-    first = random_prompts(1, [29], seed=62)[0]
     params = SamplingParams(max_new_tokens=20)
-    answer = engine.generate([first], params)[0].generated
-    second = first + answer + random_prompts(1, [7], seed=63)[0]
-    hits = engine.stats.prefix_cache_hits
-    out = engine.generate([second], params)[0]
-    assert out.generated == reference_decode(target, second, params)
+    first, answer, second, output, hits = next_turn(engine, 29, params)
+    assert output == reference_decode(target, second, params)
     kept = (len(first) + len(answer) - 1) // 16 * 16  # the answer's last token has no K/V yet
-    assert engine.stats.prefix_cache_hits - hits == kept
+    assert hits == kept
 
 
 def test_requests_sharing_a_prefix_admitted_while_others_decode_and_one_aborted_mid_prefill():

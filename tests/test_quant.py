@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts, save_pair, tiny_model
+from tinyworld import VOCAB_SIZE, ScriptedCosts, perturbed_copy, random_prompts, save_pair, tiny_model, torch_threads
 
 from batchspec import kernels
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
@@ -113,21 +113,16 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(shape, bits, group, thr
     quantized = layer(shape, bits, group)
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(64, shape[1], generator=generator)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            alone = torch.cat([quantized(rows[i:i + 1]) for i in range(8)])
-            for m in [2, 3, 4, 5, 7, 8, 12, 16, 17, 31, 32, 48, 64]:
-                others = torch.randn(m, shape[1], generator=generator) * 100
-                batch = torch.cat([rows[:1], others[1:]])
-                assert torch.equal(quantized(batch)[:1], alone[:1]), f"row 0 changed inside {m} rows"
-                mixed = rows[:min(m, 8)]
-                assert torch.equal(quantized(mixed), alone[:min(m, 8)]), f"rows changed together at {m}"
-            tokens = quantized(rows[:12].reshape(3, 4, shape[1]))  # [batch, tokens, features]
-            assert torch.equal(tokens.reshape(12, -1)[:8], alone)
-    finally:
-        torch.set_num_threads(previous)
+    with torch_threads(threads), torch.no_grad():
+        alone = torch.cat([quantized(rows[i:i + 1]) for i in range(8)])
+        for m in [2, 3, 4, 5, 7, 8, 12, 16, 17, 31, 32, 48, 64]:
+            others = torch.randn(m, shape[1], generator=generator) * 100
+            batch = torch.cat([rows[:1], others[1:]])
+            assert torch.equal(quantized(batch)[:1], alone[:1]), f"row 0 changed inside {m} rows"
+            mixed = rows[:min(m, 8)]
+            assert torch.equal(quantized(mixed), alone[:min(m, 8)]), f"rows changed together at {m}"
+        tokens = quantized(rows[:12].reshape(3, 4, shape[1]))  # [batch, tokens, features]
+        assert torch.equal(tokens.reshape(12, -1)[:8], alone)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -137,15 +132,10 @@ def test_a_packed_float32_rows_output_does_not_depend_on_the_other_rows_at_two_t
     packed = PackedLinear(torch.nn.Linear(256, 512))
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64, 256, generator=generator)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.no_grad():
-            alone = packed(x[:1])
-            for m in [2, 3, 4, 8, 16, 33, 64]:
-                assert torch.equal(packed(torch.cat([x[:1], x[1:m] * 100]))[:1], alone), m
-    finally:
-        torch.set_num_threads(previous)
+    with torch_threads(threads), torch.no_grad():
+        alone = packed(x[:1])
+        for m in [2, 3, 4, 8, 16, 33, 64]:
+            assert torch.equal(packed(torch.cat([x[:1], x[1:m] * 100]))[:1], alone), m
 
 
 def test_quantizing_a_model_replaces_what_fits_and_leaves_the_rest_in_float():

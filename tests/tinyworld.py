@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,9 @@ from transformers import (
     Qwen3NextConfig,
 )
 
+from batchspec.config import SamplingParams
 from batchspec.drafters import Draft, Drafter, Picker, pick_argmax
+from batchspec.engine import Engine
 from batchspec.sequence import Sequence
 from batchspec.speculation import RoundPlan, Speculation
 
@@ -169,6 +173,30 @@ def random_prompts(count: int, lengths: list[int], seed: int, vocab: int = VOCAB
     """Token-id prompts avoiding the special ids 0..2."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(count)]
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Within: torch computes on `count` threads (the tiny-model tests run on one, conftest); kernels
+    whose blocking depends on the thread count are checked at 1 and 2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def next_turn(engine: Engine, first_length: int, params: SamplingParams) -> tuple[list[int], list[int], list[int], list[int], int]:
+    """A chat's two turns through `engine`: a first prompt of `first_length` tokens, then the
+    conversation so far plus a new turn. Returns (first prompt, its answer, the second prompt, the
+    second turn's output) and how many prefix-cache hits the second turn added."""
+    first = random_prompts(1, [first_length], seed=62)[0]
+    answer = engine.generate([first], params)[0].generated
+    second = first + answer + random_prompts(1, [7], seed=63)[0]
+    hits = engine.stats.prefix_cache_hits
+    output = engine.generate([second], params)[0].generated
+    return first, answer, second, output, engine.stats.prefix_cache_hits - hits
 
 
 class ScriptedDrafter(Drafter):

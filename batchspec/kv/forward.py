@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -123,24 +123,20 @@ def forward_left_padded(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     return out.logits[:, -1].float()
 
 
-
 @contextmanager
 def prompt_first_forwards(model: torch.nn.Module) -> Iterator[None]:
     """Within: a forward of `model` on an empty cache (the prompt of transformers' `generate`) is a
     prompt pass (`roles.prompt_pass`) and every later one is not, so transformers' generate
     computes prompt tokens as the engines and plain decoding do."""
-    open_passes: list[AbstractContextManager[None]] = []
+    passes = ExitStack()  # the prompt pass of the forward running now, if it is one
 
     def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is None or cache.get_seq_length() == 0:
-            entered = prompt_pass()
-            entered.__enter__()
-            open_passes.append(entered)
+            passes.enter_context(prompt_pass())
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        while open_passes:
-            open_passes.pop().__exit__(None, None, None)
+        passes.close()
 
     handles = [model.register_forward_pre_hook(before, with_kwargs=True),
                model.register_forward_hook(after, with_kwargs=True, always_call=True)]

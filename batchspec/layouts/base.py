@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..costs import wall_clock
-from ..roles import prompt_pass
 from ..kv import SlotStore, causal_visible, context_limit, forward_slots, num_layers, use_exact_attention
+from ..roles import prompt_pass
 
 FILLER_TOKEN = 0  # fed in pad positions; masked out, so its value never matters (no pad token needed)
 

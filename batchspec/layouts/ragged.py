@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..roles import prompt_pass
 from ..kv import PrefixCache, causal_visible
+from ..roles import prompt_pass
 from .base import Layout
 
 

@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from ..roles import prompt_pass
 from ..kv import StatefulSlotStore, StateKey, causal_visible, forward_slots
+from ..roles import prompt_pass
 from .base import Layout
 
 
