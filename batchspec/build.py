@@ -154,7 +154,7 @@ class Parts:
             self.costs = measured_costs(self.target, self.draft_model, group, spec.max_drafts)
             self.calibration_s = time.perf_counter() - start
         kind = spec.speculation if spec.speculative else "fixed"
-        return kept, make_speculation(kind, spec.max_drafts, self.costs, self.prefill_budget)
+        return kept, make_speculation(kind, spec.max_drafts, self.costs, self.prefill_budget, drafter.asks_first)
 
     def _drafter(self, rows: int, group: int, capacity: int, pooled: bool) -> Drafter:
         """The drafter `spec.drafter` names (or the one given), its rows laid out like the target's."""

@@ -108,10 +108,10 @@ class Costs(Protocol):
         these phase times."""
 
 
-def wall_clock(model: torch.nn.Module) -> float:
-    """Wall clock that waits for queued GPU work, so phase timings are honest on CUDA too."""
-    if next(model.parameters()).is_cuda:
-        torch.cuda.synchronize()
+def wall_clock(device: torch.device) -> float:
+    """Wall clock that waits for queued GPU work on `device`, so phase timings are honest on CUDA too."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
@@ -155,9 +155,17 @@ class TimingTable:
     # table with doubts is used by the process that measured it, never cached
     doubts: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # (rows, tokens) -> seconds already interpolated: the policy prices a few shapes dozens of
+        # times a round, and a table is never changed once measured (not a field: never saved)
+        self._known: dict[tuple[int, int], float] = {}
+
     def __call__(self, rows: int, tokens: int) -> float:
-        by_rows = [_interp(self.tokens, line, tokens) for line in self.seconds]
-        return _interp(self.rows, by_rows, rows)
+        seconds = self._known.get((rows, tokens))
+        if seconds is None:
+            by_rows = [_interp(self.tokens, line, tokens) for line in self.seconds]
+            seconds = self._known[rows, tokens] = _interp(self.rows, by_rows, rows)
+        return seconds
 
     def covers(self, rows: int, tokens: int) -> bool:
         return rows <= self.rows[-1] and tokens <= self.tokens[-1]
@@ -309,11 +317,11 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
         layout = layouts[r]
         base = layout.lengths.clone()
         feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
-        start = wall_clock(model)
+        start = wall_clock(device)
         for repeats in range(1, MAX_REPEATS + 1):
             layout.forward(feed, last_only=not all_logits)
             layout.commit(base)
-            elapsed = wall_clock(model) - start
+            elapsed = wall_clock(device) - start
             if elapsed >= MIN_TIMING_S:
                 break
         return elapsed / repeats

@@ -74,7 +74,7 @@ def test_measure_records_each_shape_as_timed_even_where_more_work_is_faster(monk
         return original(self, tokens, **kwargs)
 
     monkeypatch.setattr(RaggedLayout, "forward", timed_forward)
-    monkeypatch.setattr(costs_module, "wall_clock", lambda model: now[0])
+    monkeypatch.setattr(costs_module, "wall_clock", lambda device: now[0])
     table = measure(tiny_model("qwen2", vocab_size=50), [1, 2, 4], [1, 2, 4], all_logits=True)
     # a warm-up per layout, two passes, and a third timing of the one shape the burst hit
     assert len(forwards) == 3 + 9 + 9 + 1 and forwards[-1] == forwards[19]
@@ -98,7 +98,7 @@ def scripted_clock(monkeypatch, durations: dict[tuple[int, int], list[float]]) -
         return original(self, tokens, **kwargs)
 
     monkeypatch.setattr(RaggedLayout, "forward", timed_forward)
-    monkeypatch.setattr(costs_module, "wall_clock", lambda model: now[0])
+    monkeypatch.setattr(costs_module, "wall_clock", lambda device: now[0])
     return forwards
 
 

@@ -186,6 +186,29 @@ def test_the_drafters_backlog_is_asked_only_by_a_policy_that_weighs_it(speculati
     assert (len(asked) == engine.stats.rounds) if speculation == "adaptive" else asked == []
 
 
+def test_a_model_drafter_is_asked_only_to_probe_where_no_acceptance_pays():
+    """Where the drafter's step costs as much as the target's, no acceptance pays for drafting: the
+    policy settles the rounds as plain steps before asking the drafter (`AdaptiveSpeculation.idle`),
+    which runs only for the rare probes, and every row stays exact."""
+    prompts = random_prompts(4, [4, 9, 6, 40], seed=7)
+    spec = SpecConfig(method="ragged", num_draft_tokens=3, batch_size=2)
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.3, draft_step=1.0)
+    engine = build_engine(target("qwen2"), spec, draft_model=drafter("qwen2"), costs=costs)
+    engine.reserve(rows=2, capacity=128)
+    probes = []  # per call of the drafter: whether it ran a probe
+    propose = engine.rows.drafter.propose_steered
+
+    def asked(seqs, k, pick, steer):
+        draft = propose(seqs, k, pick, steer)
+        probes.append(steer.probe)
+        return draft
+
+    engine.rows.drafter.propose_steered = asked
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=60))
+    assert [s.generated for s in outputs] == [oracle("qwen2", tuple(p), 60) for p in prompts]
+    assert all(probes) and 0 < len(probes) < 0.05 * engine.stats.rounds
+
+
 @pytest.mark.parametrize("method", ["ragged", "eqspec"])
 def test_stop_token_inside_accepted_drafts(method):
     """An always-right drafter proposes the stop token mid-draft: output ends right at it."""

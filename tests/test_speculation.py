@@ -588,3 +588,67 @@ def test_catch_ups_fit_the_steps_allowance_in_pieces():
 
     # 300 tokens at 10 a step: 30 steps of plain decoding before the row drafts, 10 of its 40 tokens left
     assert joins(AdaptiveSpeculation(K, costs), 300) and not joins(AdaptiveSpeculation(K, costs, chunk=10), 300)
+
+
+# ---- the idle shortcut: rounds settled before the drafter is asked are the rounds `open` declines --
+@pytest.mark.parametrize("seed", range(6))
+def test_rounds_settled_idle_are_exactly_the_rounds_open_declines(seed):
+    """A policy for a drafter that asks first (`asks_first`: a model drafter) settles most rounds where
+    speculation does not pay in `plan` (`idle`, in Python floats), without the drafter; its twin weighs
+    every round in `open`. Fed the same outcomes over batches that lag, learn, probe, draft and run
+    out, the two make the same decision every round (whether to draft, probe, which rows, which
+    pieces) and end each round with the same accounts and estimates, bit for bit (that the shortcut
+    is taken where drafting cannot pay: `test_engine.py`)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def uniform(lo: float, hi: float) -> float:
+        return lo + (hi - lo) * float(torch.rand((), generator=gen))
+
+    costs = ScriptedCosts(verify_base=1.0, verify_token=uniform(0.0, 0.3), draft_step=uniform(0.05, 1.0),
+                          draft_token=uniform(0.0, 0.01))
+    chunk = [None, 64][seed % 2]
+    fast, full = AdaptiveSpeculation(K, costs, chunk, asks_first=True), AdaptiveSpeculation(K, costs, chunk)
+    batch = 1 + seed % 4
+    seqs = rows(batch, budget=120)
+    teach(fast, seqs, accepted=seed % 4)
+    teach(full, seqs, accepted=seed % 4)
+    backlog = [int(torch.randint(0, 400, (), generator=gen)) for _ in seqs]
+    settled = declined = drafted = 0
+    while not all(s.finished for s in seqs):
+        live = [s for s in seqs if not s.finished]
+        lags = [backlog[s.index] for s in live]
+        allowance = None if chunk is None else int(torch.randint(0, 2 * chunk, (), generator=gen))
+        plans = [policy.plan(live, lags, allowance) for policy in (fast, full)]
+        outcome = []
+        for plan in plans:
+            go = plan.steer is not None and plan.steer.proceed(0)
+            rows_in = plan.steer.drafting().tolist() if go else [False] * len(live)
+            pieces = plan.steer.pieces().tolist() if plan.steer is not None else [0] * len(live)
+            outcome.append((go, go and plan.steer.probe, rows_in, pieces))
+        assert outcome[0] == outcome[1]
+        go, probe, rows_in, pieces = outcome[0]
+        settled += plans[0].declined
+        declined += not go
+        drafted += go and not probe
+        width = (1 if probe else K) if go else 0
+        accepted = [int(torch.randint(0, width + 1, (), generator=gen)) if r else 0 for r in rows_in]
+        count = torch.tensor([1 + a for a in accepted])
+        caught_up = sum(costs.draft_time(1, lag) for lag, r in zip(lags, rows_in) if r and lag) + sum(
+            costs.draft_time(1, n) for n in pieces if n)
+        times = RoundTimes(costs.draft_time(len(live), 2) * width, costs.verify_time(len(live), width + 1) * uniform(0.8, 1.3),
+                           0.0, caught_up)
+        for plan in plans:
+            if plan.steer is not None:
+                plan.steer.steps = width
+            lengths = torch.tensor([width if r else 0 for r in rows_in])
+            draft = Draft(torch.zeros(len(live), width, dtype=torch.long), None, lengths)
+            (fast if plan is plans[0] else full).observe(live, plan, draft, count, times)
+        for policy in (fast, full):
+            assert (policy.probe_credit, policy.draft_account, policy.catch_up_account) == (
+                full.probe_credit, full.draft_account, full.catch_up_account)
+        assert torch.equal(fast.model.cells, full.model.cells) and torch.equal(fast.model.positions, full.model.positions)
+        assert all(torch.equal(fast.model.rows[i].counts, full.model.rows[i].counts) for i in full.model.rows)
+        for s, a, r, n in zip(live, accepted, rows_in, pieces):
+            backlog[s.index] = 0 if r else max(backlog[s.index] - n, 0) + 1
+            s.extend([9] * min(1 + a, s.remaining))
+    assert declined > 0

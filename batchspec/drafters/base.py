@@ -51,6 +51,11 @@ class Drafter(ABC):
     defaults, so a drafter that knows none of them still works.
     """
 
+    # Whether `propose_steered` drafts nothing unless the steering's `proceed(0)` says to: the policy
+    # may then settle a round as a plain step without asking it (`AdaptiveSpeculation.idle`). Not so
+    # for drafters whose proposals cost nothing and are weighed only once drafted (prompt lookup).
+    asks_first = False
+
     def add(self, seqs: list[Sequence]) -> None:
         """Rows appended after the existing ones (their prompts are known, plus the first token).
         A drafter that keeps no per-row state (prompt lookup reads the sequences) has nothing to do."""

@@ -43,6 +43,8 @@ class ModelDrafter(Drafter):
     rounds always run on `layout`. `lazy`: prompts are prefilled when first drafted for, not at
     admission (per-row cursors only)."""
 
+    asks_first = True
+
     def __init__(self, layout: Layout, pool: Layout | None = None, lazy: bool = False) -> None:
         self.layout = layout
         self.pool = pool
@@ -68,8 +70,8 @@ class ModelDrafter(Drafter):
         drafted for). Pooled or padded, rows cannot be left out of a catch-up: none reported."""
         if not self.rowwise:
             return [0] * len(seqs)
-        have, target = self._span(seqs)
-        return (target - have).tolist()
+        # `_span`'s difference, in Python (asked every round): a row holds at most all but its last two
+        return [max(s.length - 2 - have, 0) for s, have in zip(seqs, self.layout.lengths.tolist())]
 
     def catch_ups(self) -> list[CatchUp]:
         return self.caught_up
@@ -172,6 +174,8 @@ class ModelDrafter(Drafter):
     def _feed_pieces(self, seqs: list[Sequence], pieces: torch.Tensor) -> None:
         """Feed row b the next pieces[b] tokens of its lag, alone and committed: a piece of a catch-up
         that later steps finish (the row does not draft this round)."""
+        if not bool(pieces.any()):
+            return
         have, target = self._span(seqs)
         self.layout.commit(self._committed(seqs))  # a lagging row's cursor: what it validly holds
         for b in pieces.nonzero().flatten().tolist():

@@ -57,7 +57,7 @@ class Layout(ABC):
         """The clock this layout's forwards are timed by (the engine's phases, a drafter's catch-ups):
         the wall clock, waiting for queued GPU work. Asked of the layout, not read directly, so that a
         layout that bills its forwards at a cost table (`batchspec.bench.replay`) is timed by that."""
-        return wall_clock(self.model)
+        return wall_clock(self.device)
 
     def _run(
         self,

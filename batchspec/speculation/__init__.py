@@ -61,10 +61,12 @@ __all__ = ["ACCOUNT_STEPS", "CATCH_UP_PAYBACK", "FORCED", "OPEN_MARGIN", "PROBE_
            "Speculation", "make_speculation"]
 
 
-def make_speculation(kind: str, k: int, costs: Costs | None, chunk: int | None = None) -> Speculation:
-    """`chunk`: the engine's per-step token budget, which catch-ups are fed in pieces of (None: any)."""
+def make_speculation(kind: str, k: int, costs: Costs | None, chunk: int | None = None,
+                     asks_first: bool = False) -> Speculation:
+    """`chunk`: the engine's per-step token budget, which catch-ups are fed in pieces of (None: any);
+    `asks_first`: the drafter's (`Drafter.asks_first`)."""
     if kind == "adaptive":
         if costs is None:
             raise ValueError("adaptive speculation needs a cost model")
-        return AdaptiveSpeculation(k, costs, chunk)
+        return AdaptiveSpeculation(k, costs, chunk, asks_first)
     return FixedSpeculation(k)

@@ -27,6 +27,7 @@ ACCOUNT_STEPS = 8
 # A round drafts only if it promises this much more than a plain step: its costs and acceptance are
 # noisy estimates, and drafting for a 1% gain loses whenever they err.
 OPEN_MARGIN = 0.05
+PROMISE_SLACK = 1e-9  # relative: far beyond float64 rounding, far below any estimate's error
 
 
 @dataclass
@@ -66,6 +67,10 @@ class RoundSteering:
     def drafting(self) -> torch.Tensor:
         return self.caps > 0
 
+    def lags(self) -> list[int]:
+        """[b] the backlog of the rows that draft, 0 for the others."""
+        return torch.where(self.drafting(), self.backlog, 0).tolist()
+
     def pieces(self) -> torch.Tensor:
         return self.feed
 
@@ -90,10 +95,11 @@ class AdaptiveSpeculation(Speculation):
 
     weighs_backlog = True
 
-    def __init__(self, k_max: int, costs: Costs, chunk: int | None = None) -> None:
+    def __init__(self, k_max: int, costs: Costs, chunk: int | None = None, asks_first: bool = False) -> None:
         self.k_max = k_max
         self.costs = costs
         self.chunk = chunk  # catch-up tokens a step may feed (the engine's per-step budget; None: any)
+        self.asks_first = asks_first  # the drafter drafts only where `open` says to: `idle` may settle a round
         self.model = AcceptanceModel(k_max)
         # Seconds of probing earned: PROBE_SHARE of each plain step since the drafter last ran, less
         # what probes measured to cost beyond their prediction (`observe`), so probing stays within
@@ -123,31 +129,90 @@ class AdaptiveSpeculation(Speculation):
             return lo, float("-inf")
         rows = len(steer.seqs)
         cumulative = steer.cumulative(hi) if cumulative is None else cumulative[:, :hi]
-        gains = torch.cat([torch.zeros(1, dtype=torch.float64), cumulative.sum(dim=0).cumsum(dim=0)])
+        gains = [0.0, *cumulative.sum(dim=0).cumsum(dim=0).tolist()]
         best = (lo, float("-inf"))
         for width in range(lo, hi + 1):
-            rate = (rows + float(gains[width])) / (self.round_time(rows, width, max(width, steps_run)) + extra)
+            rate = (rows + gains[width]) / (self.round_time(rows, width, max(width, steps_run)) + extra)
             if rate > best[1]:
                 best = (width, rate)
         return best
 
     def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None) -> RoundPlan:
-        remaining = torch.tensor([s.remaining for s in seqs], dtype=torch.long)
-        caps = (remaining - 1).clamp(min=0, max=self.k_max)
-        top = int(caps.max())
-        if top == 0:
+        remaining = [s.remaining for s in seqs]
+        caps = [min(max(left - 1, 0), self.k_max) for left in remaining]
+        if max(caps) == 0:
             return RoundPlan(0)
-        lags = torch.tensor(backlog if backlog is not None else [0] * len(seqs), dtype=torch.long)
-        return RoundPlan(top, RoundSteering(self, seqs, caps, self.model.expected(seqs), lags, remaining, allowance))
+        lags = backlog if backlog is not None else [0] * len(seqs)
+        alpha = self.model.expected_rows(seqs)
+        if self.asks_first and self.idle(alpha, caps, lags, allowance):
+            return RoundPlan(0, declined=True)
+        return RoundPlan(max(caps), RoundSteering(self, seqs, torch.tensor(caps), torch.tensor(alpha, dtype=torch.float64),
+                                                  torch.tensor(lags), torch.tensor(remaining), allowance))
 
-    def catch_up_time(self, steer: RoundSteering, long: bool) -> float:
-        """Predicted seconds of catching up the rows that draft this round: their long lags (`long`:
-        a forward of each row's own) or their short ones (one forward shared by all rows)."""
-        lags = torch.where(steer.drafting(), steer.backlog, 0)
+    def idle(self, alpha: list[list[float]], caps: list[int], lags: list[int], allowance: int | None) -> bool:
+        """Whether `open` would surely make this round a plain step that feeds no catch-up and runs
+        no probe, found on the rows' lists in Python floats (most rounds are such rounds where
+        speculation does not pay, and `open`'s few dozen operations on [b, k] tensors would cost
+        ~1% of a plain step); if so, the round is booked as `open` books a declined one and the
+        drafter is not asked. `alpha` [b][k_max], `caps` [b] and `lags` [b] as `RoundSteering` holds
+        them. Such a round is one where no long catch-up starts and no row drafts, because either
+        - not even every row drafting promises the margin, so no set of rows does (a row more only
+          adds to what a width promises): `leave_out` would catch no row up; or
+        - drafting has measured a loss not yet paid back (`book`), and no row lags long or
+          catch-ups too wait for theirs to be paid back."""
+        plain = self.round_time(len(caps), 0, 0)
+        lags = [lag if cap > 0 else 0 for lag, cap in zip(lags, caps)]
+        waiting = self.draft_account < 0 and (self.catch_up_account < 0 or max(lags) <= SHARED_CATCH_UP)
+        if not waiting and self.promising(alpha, caps, plain):
+            return False
+        if allowance is not None and sum(n for n in lags if n <= SHARED_CATCH_UP) > allowance:
+            return False  # a short catch-up would be fed a piece (`within_budget`)
+        if self.probe_price(lags, plain) is not None:
+            return False
+        self.decline(plain)
+        return True
+
+    def promising(self, alpha: list[list[float]], caps: list[int], plain: float) -> bool:
+        """Whether some width could beat a plain step (`plain` seconds) by OPEN_MARGIN if every row
+        drafted up to its cap at `alpha` [b][k_max] (`best_width`'s rate, in Python floats: its
+        sums may differ in the last bits, so the margin is taken PROMISE_SLACK narrower and a
+        round this calls hopeless is one `best_width` would too)."""
+        rows, top = len(caps), max(caps)
+        by_slot = [0.0] * top  # sum over rows of P(first j + 1 drafts accepted)
+        for row, cap in zip(alpha, caps):
+            accepted = 1.0
+            for j in range(cap):
+                accepted *= row[j]
+                by_slot[j] += accepted
+        gains, best = 0.0, float("-inf")
+        for width in range(1, top + 1):
+            gains += by_slot[width - 1]
+            best = max(best, (rows + gains) / self.round_time(rows, width, width))
+        return best * (1 + PROMISE_SLACK) > rows / plain * (1 + OPEN_MARGIN)
+
+    def probe_price(self, lags: list[int], plain: float) -> float | None:
+        """Seconds a one-draft probe of rows lagging `lags` tokens (0: not drafting) would add to a
+        plain step (`plain` seconds), if the probe credit covers them (None: not yet)."""
+        one_draft = self.round_time(len(lags), 1, 1)
+        if one_draft - plain > self.probe_credit:  # its catch-ups only add to that: priced only when not
+            return None
+        probe = sum(self.catch_up_time(lags, long) for long in (False, True)) + one_draft - plain
+        return probe if probe <= self.probe_credit else None
+
+    def decline(self, plain: float) -> None:
+        """A plain step (`plain` seconds) the policy chose: probing and both accounts earn their share."""
+        self.probe_credit += PROBE_SHARE * plain
+        self.draft_account = min(self.draft_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
+        self.catch_up_account = min(self.catch_up_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
+
+    def catch_up_time(self, lags: list[int], long: bool) -> float:
+        """Predicted seconds of catching up rows lagging `lags` tokens (0: a row that does not
+        draft): their long lags (`long`: a forward of each row's own) or their short ones (one
+        forward shared by all rows)."""
         if long:
-            return sum(self.catch_up_cost(int(n)) for n in lags[lags > SHARED_CATCH_UP])
-        short = lags[lags <= SHARED_CATCH_UP]
-        return self.costs.draft_time(len(steer.seqs), int(short.max())) if bool((short > 0).any()) else 0.0
+            return sum(self.catch_up_cost(n) for n in lags if n > SHARED_CATCH_UP)
+        short = max((n for n in lags if n <= SHARED_CATCH_UP), default=0)
+        return self.costs.draft_time(len(lags), short) if short > 0 else 0.0
 
     def catch_up_cost(self, lag: int) -> float:
         """Predicted seconds of feeding one row a lag of `lag` tokens alone: one forward, or under a
@@ -271,27 +336,27 @@ class AdaptiveSpeculation(Speculation):
             _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
             if go > stop * (1 + OPEN_MARGIN):
                 tokens = rows * float(steer.remaining[steer.drafting()].double().mean())
-                if self.saving(tokens, stop, go) > CATCH_UP_PAYBACK * self.catch_up_time(steer, long=False):
+                if self.saving(tokens, stop, go) > CATCH_UP_PAYBACK * self.catch_up_time(steer.lags(), long=False):
                     self.probe_credit = min(self.probe_credit, 0.0)  # earned while idle; a debt stays
                     return True
         steer.caps = everyone
-        probe = sum(self.catch_up_time(steer, long) for long in (False, True)) + self.round_time(rows, 1, 1) - plain
-        if probe <= self.probe_credit:
+        probe = self.probe_price(steer.lags(), plain)
+        if probe is not None:
             self.within_budget(steer)
             if int(steer.caps.max()) > 0:
                 self.probe_credit = 0.0
                 steer.probe, steer.probe_cost = True, probe
                 return True
         steer.feed = chosen
-        self.probe_credit += PROBE_SHARE * plain
-        self.draft_account = min(self.draft_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
-        self.catch_up_account = min(self.catch_up_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
+        self.decline(plain)
         return False
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
         steer = plan.steer
         assert steer is not None
         width = draft.width
+        if width == 0:  # the drafter did not run: a plain step
+            return draft
         deterministic = draft.forced if draft.forced is not None else torch.full(
             draft.tokens.shape, draft.logits is None, dtype=torch.bool)
         if draft.confidence is not None and width > steer.steps:  # slots no steered step looked at
@@ -337,7 +402,9 @@ class AdaptiveSpeculation(Speculation):
     def observe(self, seqs: list[Sequence], plan: RoundPlan, draft: Draft, count: torch.Tensor,
                 times: RoundTimes) -> None:
         steps = 0
-        if plan.steer is not None:
+        if plan.declined:
+            self.model.age(seqs)  # a round that judged no draft (as `record` of one)
+        elif plan.steer is not None:
             steer = plan.steer
             steps = steer.steps
             width = draft.width

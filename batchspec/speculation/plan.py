@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 @dataclass
 class RoundPlan:
     """What the engine asks the drafter for: up to `steps` drafter steps (0: a plain decoding step),
-    steered by `steer` when the policy adapts."""
+    steered by `steer` when the policy adapts; `declined`: a plain step the policy chose, where it
+    could have drafted."""
 
     steps: int
     steer: RoundSteering | None = None
+    declined: bool = False
 
 
 class RoundTimes(NamedTuple):
