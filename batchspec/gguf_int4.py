@@ -47,7 +47,6 @@ from .kernels import (
     INT8,
     LinearLoader,
     QuantizedLinear,
-    _FrozenLinear,
     apply_quantization,
     quantization_unsupported_reason,
     replace_linears,
@@ -217,15 +216,10 @@ class GGUFInt4Linear(QuantizedLinear):
 
     def __init__(self, linear: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  prompt_int8: bool = False) -> None:
-        _FrozenLinear.__init__(self, linear)
-        self.register_buffer("prompt_weight", None)
-        self.register_buffer("prompt_scales", None)
-        if tuple(q.shape) != (self.out_features, self.in_features):
+        if tuple(q.shape) != (linear.out_features, linear.in_features):
             raise BatchspecError(f"int4 weights of shape {tuple(q.shape)} do not fit a linear "
-                                 f"{self.out_features}x{self.in_features}")
-        self.bits, self.group_size = INT4, GROUP
-        self._hold_int4(q, scale, zero, prompt_int8)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+                                 f"{linear.out_features}x{linear.in_features}")
+        super().__init__(linear, INT4, GROUP, prompt_int8, int4=(q, scale, zero))
 
     @property
     def weights_kernel(self) -> str:

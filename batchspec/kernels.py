@@ -26,6 +26,7 @@ role: under `--prefill-kernel int8` prompt tokens take int8 x int8 products (`to
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -176,6 +177,7 @@ PROMPT_SCALE_BLOCK = 1536
 PROMPT_ROWS = 128
 
 
+@functools.cache
 def scale_blocks(k: int) -> int:
     """How many blocks a prompt token's `k` activations are quantized in: the fewest that split `k`
     evenly, each at most PROMPT_SCALE_BLOCK values."""
@@ -240,21 +242,24 @@ class QuantizedLinear(_FrozenLinear):
     to 64 rows), so the engine's exactness argument holds as for float linears. Weights are packed
     here, at load: the int4 layout depends on the CPU that packs it, so it is never stored on disk."""
 
-    def __init__(self, linear: torch.nn.Linear, bits: str, group_size: int = 32, prompt_int8: bool = False) -> None:
+    def __init__(self, linear: torch.nn.Linear, bits: str, group_size: int = 32, prompt_int8: bool = False,
+                 int4: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`int4`: int4 values, scales and zeros given (a GGUF's own blocks) instead of fitted to
+        `linear`'s weights, which are then never read."""
         super().__init__(linear)
         self.bits = bits
         self.group_size = group_size if bits == INT4 else self.in_features
         self.register_buffer("prompt_weight", None)  # `--prefill-kernel int8` only (`_hold_prompt`)
         self.register_buffer("prompt_scales", None)
-        weight = linear.weight.detach()
         if bits == INT8:
-            q, scale = quantize_int8(weight)
+            q, scale = quantize_int8(linear.weight.detach())
             self.register_buffer("qweight", q)  # [N, K] int8
             self.register_buffer("scales", scale)  # [N] bfloat16
             if prompt_int8:
                 self._hold_prompt(q, scale)
         elif bits == INT4:
-            self._hold_int4(*quantize_int4(weight, group_size), prompt_int8=prompt_int8)
+            self._hold_int4(*(int4 if int4 is not None else quantize_int4(linear.weight.detach(), group_size)),
+                            prompt_int8=prompt_int8)
         else:
             raise BatchspecError(f"unknown weight quantization {bits!r}; choose int8 or int4")
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())

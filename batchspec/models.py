@@ -118,6 +118,8 @@ def load_model(
     attention would run; engines and the oracle share the loaded model, so they always see the same
     attention bits.
     """
+    if prefill_kernel == "int8" and quantization == "none":  # as `ModelConfig` refuses it
+        raise BatchspecError("--prefill-kernel int8 is for quantized targets: add --quantization int8 or int4")
     torch_dtype = parse_dtype(dtype)
     try:
         torch_device = torch.device(device)

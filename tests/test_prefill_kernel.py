@@ -26,7 +26,7 @@ from batchspec.kernels import (
     weights_summary,
 )
 from batchspec.kv import forward_plain, new_dynamic_cache, prompt_first_forwards
-from batchspec.models import load_pair
+from batchspec.models import load_model, load_pair
 from batchspec.reference import greedy_decode, reference_decode
 from batchspec.roles import prompt_pass
 
@@ -190,3 +190,5 @@ def test_bad_prefill_kernel_settings_are_one_clear_line(tmp_path, capsys):
     assert code != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prefill-kernel int8" in err[0]
+    with pytest.raises(BatchspecError, match="quantized targets"):  # the loader called directly, too
+        load_model(str(save_pair(tmp_path)[0]), prefill_kernel="int8")
