@@ -1,0 +1,79 @@
+"""Where the rows waited: a step trace (`--trace FILE`, docs/cli.md) summarised per method.
+
+    python scripts/trace_summary.py runs/trace.jsonl
+
+A row waits for every piece of the step it is in, so per method (all repeats together) this prints
+the longest step; that step's parts: its prefill pieces (prompt chunks, each a forward of its own)
+and the rest (drafter catch-ups and the round); the longest rest of any step against the slowest
+round, which says whether anything besides prefill stalled the rows; and the most prefill pieces
+one step ran. Issue 29's stall target reads: no step's rest above twice the slowest plain round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def summarise(lines: list[str]) -> list[dict]:
+    """One dict per method, in the order the trace first names them."""
+    steps: dict[str, dict[tuple[int, int], dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    for line in lines:
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        method = record.get("method", "-")
+        step = steps[method][record.get("repeat", 0), record["step"]]
+        part = "prefill" if record["piece"] == "prefill" else "rest"
+        step[part] += record["s"]
+        step[f"{part}_pieces"] += 1
+        if record["piece"] == "round":
+            step["round"] = max(step["round"], record["s"])
+    out = []
+    for method, by_step in steps.items():
+        parts = list(by_step.values())
+        longest = max(parts, key=lambda p: p["prefill"] + p["rest"])
+        out.append({
+            "method": method,
+            "steps": len(parts),
+            "longest_step_s": longest["prefill"] + longest["rest"],
+            "its_prefill_s": longest["prefill"],
+            "its_rest_s": longest["rest"],
+            "longest_rest_s": max(p["rest"] for p in parts),
+            "slowest_round_s": max(p["round"] for p in parts),
+            "most_prefill_pieces": int(max(p["prefill_pieces"] for p in parts)),
+        })
+    return out
+
+
+def render(rows: list[dict]) -> str:
+    header = ("method", "steps", "longest step s", "its prefill s", "its rest s", "longest rest s",
+              "slowest round s", "prefill pieces/step")
+    keys = ("method", "steps", "longest_step_s", "its_prefill_s", "its_rest_s", "longest_rest_s",
+            "slowest_round_s", "most_prefill_pieces")
+    cells = [[f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path, help="a JSONL step trace written by --trace")
+    args = parser.parse_args()
+    try:
+        lines = args.trace.read_text().splitlines()
+    except OSError as exc:
+        parser.exit(2, f"trace_summary: cannot read {args.trace}: {exc.strerror}\n")
+    try:
+        rows = summarise(lines)
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        parser.exit(2, f"trace_summary: {args.trace} is not a step trace ({type(exc).__name__}: {exc})\n")
+    print(render(rows))
+
+
+if __name__ == "__main__":
+    main()
