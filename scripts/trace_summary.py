@@ -16,6 +16,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from batchspec.bench.report import format_table
+
 
 def summarise(lines: list[str]) -> list[dict]:
     """One dict per method, in the order the trace first names them."""
@@ -49,15 +51,11 @@ def summarise(lines: list[str]) -> list[dict]:
 
 
 def render(rows: list[dict]) -> str:
-    header = ("method", "steps", "longest step s", "its prefill s", "its rest s", "longest rest s",
-              "slowest round s", "prefill pieces/step")
+    headers = ["method", "steps", "longest step s", "its prefill s", "its rest s", "longest rest s",
+               "slowest round s", "prefill pieces/step"]
     keys = ("method", "steps", "longest_step_s", "its_prefill_s", "its_rest_s", "longest_rest_s",
             "slowest_round_s", "most_prefill_pieces")
-    cells = [[f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
+    return format_table(headers, [[f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows])
 
 
 def main() -> None:

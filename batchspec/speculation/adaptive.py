@@ -30,6 +30,11 @@ OPEN_MARGIN = 0.05
 PROMISE_SLACK = 1e-9  # relative: far beyond float64 rounding, far below any estimate's error
 
 
+def drafting_lags(lags: list[int], caps: list[int]) -> list[int]:
+    """[b] the lag of each row that may draft (cap > 0), 0 for the others: what catching up costs."""
+    return [lag if cap > 0 else 0 for lag, cap in zip(lags, caps)]
+
+
 @dataclass
 class RoundSteering:
     """One round's drafting under the adaptive policy: knows each row's cap and, per slot, the
@@ -69,7 +74,7 @@ class RoundSteering:
 
     def lags(self) -> list[int]:
         """[b] the backlog of the rows that draft, 0 for the others."""
-        return torch.where(self.drafting(), self.backlog, 0).tolist()
+        return drafting_lags(self.backlog.tolist(), self.caps.tolist())
 
     def pieces(self) -> torch.Tensor:
         return self.feed
@@ -127,9 +132,13 @@ class AdaptiveSpeculation(Speculation):
         `steer.cumulative`). An empty range rates -inf."""
         if hi < lo:
             return lo, float("-inf")
-        rows = len(steer.seqs)
         cumulative = steer.cumulative(hi) if cumulative is None else cumulative[:, :hi]
-        gains = [0.0, *cumulative.sum(dim=0).cumsum(dim=0).tolist()]
+        return self.best_rate(len(steer.seqs), [0.0, *cumulative.sum(dim=0).cumsum(dim=0).tolist()], lo, hi,
+                              steps_run, extra)
+
+    def best_rate(self, rows: int, gains: list[float], lo: int, hi: int, steps_run: int = 0,
+                  extra: float = 0.0) -> tuple[int, float]:
+        """`best_width` for `rows` rows whose width w is expected to commit gains[w] drafts in all."""
         best = (lo, float("-inf"))
         for width in range(lo, hi + 1):
             rate = (rows + gains[width]) / (self.round_time(rows, width, max(width, steps_run)) + extra)
@@ -161,7 +170,7 @@ class AdaptiveSpeculation(Speculation):
         - drafting has measured a loss not yet paid back (`book`), and no row lags long or
           catch-ups too wait for theirs to be paid back."""
         plain = self.round_time(len(caps), 0, 0)
-        lags = [lag if cap > 0 else 0 for lag, cap in zip(lags, caps)]
+        lags = drafting_lags(lags, caps)
         waiting = self.draft_account < 0 and (self.catch_up_account < 0 or max(lags) <= SHARED_CATCH_UP)
         if not waiting and self.promising(alpha, caps, plain):
             return False
@@ -184,10 +193,10 @@ class AdaptiveSpeculation(Speculation):
             for j in range(cap):
                 accepted *= row[j]
                 by_slot[j] += accepted
-        gains, best = 0.0, float("-inf")
-        for width in range(1, top + 1):
-            gains += by_slot[width - 1]
-            best = max(best, (rows + gains) / self.round_time(rows, width, width))
+        gains = [0.0]
+        for expected in by_slot:
+            gains.append(gains[-1] + expected)
+        _, best = self.best_rate(rows, gains, 1, top)
         return best * (1 + PROMISE_SLACK) > rows / plain * (1 + OPEN_MARGIN)
 
     def probe_price(self, lags: list[int], plain: float) -> float | None:
