@@ -8,6 +8,7 @@ import torch
 from tinyworld import VOCAB_SIZE
 
 from batchspec.config import BatchspecError, SamplingParams
+from batchspec.forensics.calibration import calibration_prefixes
 from batchspec.forensics.compare import (
     EXACT,
     FP_TIE,
@@ -132,3 +133,13 @@ def test_teacher_forced_scores_reproduce_plain_decoding(params: SamplingParams) 
         assert scores is logits
     with pytest.raises(BatchspecError):
         plain_scores(logits, SamplingParams(temperature=0.7), range(len(tokens)))
+
+
+def test_calibration_prefixes_take_half_of_each_output_or_one_common_length():
+    """Each prompt with the first half of its output; `common` (a model with a prompt path, whose
+    layouts feed every row's continuation as generated tokens in one forward): the shortest half that
+    is not empty for every prompt, leaving out the prompts whose half is shorter."""
+    prompts, outputs = [[5], [6, 7], [8]], [[1, 2, 3, 4, 5, 6], [9], [3, 4, 5, 6]]
+    assert calibration_prefixes(prompts, outputs) == [([5], [1, 2, 3]), ([6, 7], []), ([8], [3, 4])]
+    assert calibration_prefixes(prompts, outputs, common=True) == [([5], [1, 2]), ([8], [3, 4])]
+    assert calibration_prefixes([[5]], [[9]], common=True) == [([5], [])]  # nothing generated to feed

@@ -6,13 +6,19 @@ every generated token takes the weights' own kernel."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from tinyworld import VOCAB_SIZE, ScriptedCosts, next_turn, perturbed_copy, random_prompts, save_pair, tiny_model, torch_threads
+from tinyworld import (VOCAB_SIZE, ScriptedCosts, next_turn, perturbed_copy, random_prompts, save_pair, tiny_model,
+                       tiny_tokenizer, torch_threads)
 
 from batchspec.build import build_engine
 from batchspec.cli import main
 from batchspec.config import BatchspecError, ModelConfig, SamplingParams, SpecConfig
+from batchspec.forensics.audit import Auditor
+from batchspec.forensics.audit_inputs import AuditItem
+from batchspec.forensics.compare import SYNC_ERROR
 from batchspec.kernels import (
     INT_MM_MIN_ROWS,
     PROMPT_SCALE_BLOCK,
@@ -177,18 +183,53 @@ def test_loading_names_the_prompt_path_and_counts_its_bytes(tmp_path):
     assert weight_bytes(pair.target) > weight_bytes(plain.target)
 
 
-def test_bad_prefill_kernel_settings_are_one_clear_line(tmp_path, capsys):
+def test_bad_prefill_kernel_settings_are_one_clear_line(tmp_path):
     with pytest.raises(BatchspecError, match="quantized targets"):
         ModelConfig(prefill_kernel="int8")
     with pytest.raises(BatchspecError, match="unknown prefill kernel"):
         ModelConfig(quantization="int4", prefill_kernel="fp8")
-    prompts, outputs = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
-    prompts.write_text('{"id": 0, "prompt": "hi"}\n')
-    outputs.write_text('{"id": 0, "text": "hi"}\n')
-    code = main(["audit", "--prompts", str(prompts), "--outputs", str(outputs), "--report", str(tmp_path / "r.json"),
-                 "--quantization", "int4", "--prefill-kernel", "int8"])
-    assert code != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--prefill-kernel int8" in err[0]
     with pytest.raises(BatchspecError, match="quantized targets"):  # the loader called directly, too
         load_model(str(save_pair(tmp_path)[0]), prefill_kernel="int8")
+
+
+def test_the_audit_scores_and_calibrates_every_token_in_its_role():
+    """The audit's teacher-forced scores are plain decoding's logits bit for bit (prompt tokens on the
+    prompt path, the continuation on the weights' kernel), and its fp-tie margin measures our layouts
+    with the same roles: no noise at all, where a forward of the wrong roles would have measured the
+    gap between the two kernels as noise."""
+    target, _ = quantized_pair("qwen2", "int4")
+    prompts = random_prompts(4, [5, 11, 8, 14], seed=8)
+    auditor = Auditor(target, tiny_tokenizer(), 10, calibration_rows=4)
+    outputs = [greedy_decode(target, p, 10, auditor.stop_ids) for p in prompts]
+    prompt, output, d = prompts[1], outputs[1], 3
+    scores = auditor._scores(prompt + output[:d], output[d:], d)
+    with torch.inference_mode():  # plain decoding's own logits, one step at a time
+        cache = new_dynamic_cache(target)
+        with prompt_pass():
+            steps = [forward_plain(target, torch.tensor([prompt]), cache)[0]]
+        for token in output[:-1]:
+            steps.append(forward_plain(target, torch.tensor([[token]]), cache)[0])
+    assert torch.equal(scores, torch.stack(steps[d:]))
+    wrong = output[:d] + [int(scores[0].argmin())] + output[d + 1:]
+    items = [AuditItem(f"p{i}", p, o) for i, (p, o) in enumerate(zip(prompts, outputs))]
+    report = auditor.audit([*items, AuditItem("wrong", prompt, wrong)])
+    calibration = report["calibration"]
+    assert set(calibration["noise"]) == {"ragged-verify", "padded-verify"}  # no left padding: roles go by position
+    assert calibration["max_noise"] == 0.0 and calibration["margin"] == calibration["floor"]
+    rows = {r["id"]: r for r in report["rows"]}
+    assert all(rows[f"p{i}"]["exact_match"] for i in range(len(prompts)))
+    assert rows["wrong"]["classification"] == SYNC_ERROR and rows["wrong"]["first_divergence"] == d
+
+
+def test_an_int8_prefill_run_is_audited_from_the_command_line(tmp_path):
+    """`generate` and `audit` with the same --quantization int4 --prefill-kernel int8: every output exact."""
+    target_dir, draft_dir = save_pair(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"id": {i}, "prompt": "{text}"}}\n' for i, text in
+                               enumerate(["the cat sat", "a dog ran far away", "hello"])))
+    outputs, report = tmp_path / "o.jsonl", tmp_path / "r.json"
+    model = ["--target", str(target_dir), "--quantization", "int4", "--prefill-kernel", "int8", "--max-new-tokens", "8"]
+    assert main(["generate", "--prompts", str(prompts), "-o", str(outputs), "--draft", str(draft_dir), *model]) == 0
+    assert main(["audit", "--prompts", str(prompts), "--outputs", str(outputs), "--report", str(report), *model]) == 0
+    totals = json.loads(report.read_text())["totals"]
+    assert (totals["rows"], totals["exact_match"]) == (3, 3)

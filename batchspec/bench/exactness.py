@@ -15,7 +15,7 @@ from typing import Any
 from ..config import SamplingParams
 from ..forensics.audit import Auditor
 from ..forensics.audit_inputs import AuditItem
-from ..forensics.calibration import Calibration, calibrate_margin, calibration_prefixes
+from ..forensics.calibration import Calibration, calibrate_margin
 from ..forensics.compare import first_difference
 from ..forensics.oracle import Oracle
 from ..models import ModelPair
@@ -62,8 +62,8 @@ class AuditClassifier:
                  params: SamplingParams) -> str:
         """The class of the divergence of `output` (decoded under `params`) from `reference`."""
         if self.calibration is None:
-            prefixes = calibration_prefixes([p for p, _ in self.prompts], [self.oracle(p, sp) for p, sp in self.prompts])
-            self.calibration = calibrate_margin(self.models.target, prefixes)
+            self.calibration = calibrate_margin(self.models.target, [p for p, _ in self.prompts],
+                                                [self.oracle(p, sp) for p, sp in self.prompts])
         if params not in self._auditors:  # one per sampling setting (seeded rows each have their own)
             self._auditors[params] = Auditor(self.models.target, self.models.tokenizer, params.max_new_tokens,
                                              margin=self.calibration.margin, sampling=params)

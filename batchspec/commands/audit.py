@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, with_draft=False)
     add_sampling_arguments(p, only=("max_new_tokens",))  # the run's budget: greedy runs are audited
     p.epilog = (
-        "Pass the run's own --target, --dtype, --max-new-tokens, --no-chat-template and --allow-special-tokens: "
+        "Pass the run's own --target, --dtype, --quantization, --prefill-kernel, --max-new-tokens, --no-chat-template "
+        "and --allow-special-tokens: "
         "the oracle must decode exactly what the run decoded."
     )
 
@@ -52,10 +53,6 @@ def run(args: argparse.Namespace) -> int:
         raise BatchspecError(f"--calibration-rows must be >= 1, got {args.calibration_rows}")
     if args.margin is not None and args.margin < 0:
         raise BatchspecError(f"--margin must be >= 0, got {args.margin}")
-    if getattr(args, "prefill_kernel", "weights") == "int8":
-        # its scores and fp-tie margin come from forwards that feed a prompt and generated tokens at once
-        raise BatchspecError("audit does not take --prefill-kernel int8 yet: audit with --prefill-kernel weights "
-                             "(`generate --verify` checks an int8-prefill run against plain decoding)")
     inputs = [args.prompts, args.outputs]
     report = check_writable(args.report, "--report", inputs)  # before the audit: its result must not be lost
     markdown = check_writable(args.markdown, "--markdown", inputs) if args.markdown else None

@@ -32,8 +32,9 @@ from ..admission import validate_prompt
 from ..config import BatchspecError, SamplingParams
 from ..kv import context_limit, forward_all_positions
 from ..models import eos_token_ids, output_vocab_size
+from ..roles import prompt_pass
 from .audit_inputs import AuditItem
-from .calibration import Calibration, calibrate_margin, calibration_prefixes, dtype_name
+from .calibration import Calibration, calibrate_margin, dtype_name
 from .compare import (
     EXACT,
     FP_TIE,
@@ -134,8 +135,7 @@ class Auditor:
         if self.margin is not None:
             return Calibration(dtype=dtype_name(self.model), margin=self.margin, source="given")
         chosen = valid[: self.calibration_rows]
-        prefixes = calibration_prefixes([i.prompt_ids for i in chosen], [oracle[i.id] for i in chosen])
-        return calibrate_margin(self.model, prefixes)
+        return calibrate_margin(self.model, [i.prompt_ids for i in chosen], [oracle[i.id] for i in chosen])
 
     def audit_row(self, item: AuditItem, oracle: list[int], margin: float) -> RowReport:
         """Compare one output with its oracle and classify the first divergence."""
@@ -213,8 +213,11 @@ class Auditor:
 
     def _scores(self, prefix: list[int], tokens: list[int], position: int) -> torch.Tensor:
         """Plain decoding's scores [len(tokens), vocab] for each of `tokens` after `prefix` (row i sees
-        tokens[:i]), from one teacher-forced forward; `position` is tokens[0]'s generated position."""
-        logits = forward_all_positions(self.model, prefix + tokens[:-1], len(tokens))
+        tokens[:i]), from one teacher-forced forward; `position` is tokens[0]'s generated position, so
+        the prefix's first len(prefix) - position tokens are the prompt, computed as plain decoding
+        computes a prompt (`roles.prompt_pass`)."""
+        with prompt_pass(len(prefix) - position):
+            logits = forward_all_positions(self.model, prefix + tokens[:-1], len(tokens))
         return plain_scores(logits, self.params, range(position, position + len(tokens)))
 
     def _continuation(
