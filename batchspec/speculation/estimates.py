@@ -84,12 +84,8 @@ class AcceptanceModel:
         recent rate, shrunk towards the rate of all rows at that position."""
         return self._shrunk(seqs, self._overall()[0])
 
-    def expected(self, seqs: list[Sequence]) -> torch.Tensor:
-        """`expected_rows` as a [b, k_max] tensor."""
-        return torch.tensor(self.expected_rows(seqs), dtype=torch.float64)
-
     def optimistic(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[b, k_max] as `expected`, with the rate of all rows raised by one standard deviation of
+        """[b, k_max] as `expected_rows`, with the rate of all rows raised by one standard deviation of
         what its trials tell (a Beta posterior's): high while little is known, the rate itself once
         much is. For investments whose return is learning as much as tokens (`leave_out`)."""
         overall, trials = self._overall()
