@@ -70,7 +70,8 @@ class ModelConfig:
     faster (`models.draft_quantization`). Like the drafter's dtype it changes acceptance, never the output.
     prefill_kernel "int8": the target's quantized linears compute prompt tokens as int8 x int8 products
     (`kernels.PREFILL_INT8`), generated tokens by the weights' kernel; plain decoding does the same.
-    The drafter keeps one kernel (its catch-ups feed prompt and generated tokens in one forward).
+    A quantized drafter has the int8 path whatever this says, for its prefills, deferred ones included
+    (`models.draft_prefill_kernel`): drafts are proposals, so it changes speed, never the output.
     """
 
     target: str | None = option(None, "HF model folder or .gguf file (default: bundled Qwen2.5-Coder-1.5B-Instruct)")

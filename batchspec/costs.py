@@ -35,9 +35,10 @@ from tqdm import tqdm
 
 from .bundled import cache_dir
 from .draft import SHARED_CATCH_UP
-from .kernels import linear_kernel, native_bfloat16, weights_summary
+from .kernels import has_prompt_path, linear_kernel, native_bfloat16, weights_summary
 from .kv import context_limit
 from .methods import layout_for
+from .roles import prompt_pass
 
 SMOOTHING = 0.1  # weight of each new round in the online rescaling (load, drafter steps, overhead)
 SHAPE_SMOOTHING = 0.01  # ... in a verify shape's own mean, once it has 100 rounds (before: their plain mean)
@@ -57,14 +58,19 @@ MIN_TIMING_S = 0.15
 MAX_REPEATS = 8
 MAX_GRID = 3  # measured points per axis (rows; verify tokens); the rest is interpolated
 # Drafter forwards timed: its steps (1 and 2 tokens), a catch-up shared by all rows (at most
-# SHARED_CATCH_UP tokens) and a row's own catch-up (a deferred prefill of its prompt), extrapolated
+# SHARED_CATCH_UP tokens) and a row's own catch-up (a deferred prefill of its prompt, or the tokens of
+# a long run of plain steps), extrapolated
 # linearly beyond the last. A catch-up longer than SHARED_CATCH_UP runs one row at a time
 # (`drafters.model`), so it is timed on one row only.
 DRAFT_TOKENS = [1, 2, SHARED_CATCH_UP, 128]
+# A quantized drafter's prompt path (`drafters.model`: its deferred prefills) is timed on one row too,
+# from one token (its fixed cost: an int8 copy of the weights read, rows padded to torch._int_mm's 17)
+# to 128.
+PROMPT_TOKENS = [1, SHARED_CATCH_UP, 128]
 # The calibration's budget: a table has at most MAX_GRID x MAX_GRID shapes (the drafter's one more,
-# its long catch-up on one row), each timed 2 to TRIES times, so a model pair costs at most
-# 2 x (MAX_GRID**2 + 1) x TRIES = 60 timings of max(one forward, MIN_TIMING_S) each (~40 on a quiet
-# machine, where most shapes agree at the second) plus a CONTEXT-token prefill and a warm-up per row count. For the
+# its long catch-up on one row; its prompt path's table, if it has one, 3 on one row), each timed 2 to
+# TRIES times, so a model pair costs at most (2 x (MAX_GRID**2 + 1) + 3) x TRIES = 69 timings of
+# max(one forward, MIN_TIMING_S) each (~45 on a quiet machine, where most shapes agree at the second) plus a CONTEXT-token prefill and a warm-up per row count. For the
 # bundled pair at batch 4, K 5 on a 2-core CPU (a 1.5B forward 0.1-0.6 s, a 0.5B one 0.05-0.2 s, its
 # 128-token catch-up 0.3-0.7 s) that is ~10-20 s, at most ~30 s on a machine too busy to agree.
 # A measured table is cached only if it is monotone where physics says it must be: among forwards of
@@ -99,6 +105,10 @@ class Costs(Protocol):
 
     def draft_time(self, rows: int, tokens: int) -> float:
         """One drafter forward feeding `tokens` tokens to each of `rows` rows (0 without a drafter model)."""
+
+    def prompt_time(self, tokens: int) -> float:
+        """One drafter forward feeding one row `tokens` tokens on its prompt path (`draft_time`'s where
+        it has none)."""
 
     def overhead(self) -> float:
         """Per round, outside the forwards (acceptance, commits, bookkeeping)."""
@@ -192,9 +202,10 @@ class MeasuredCosts:
     """
 
     def __init__(self, verify: TimingTable, draft: TimingTable | None, source: str = "",
-                 files: tuple[Path, ...] = ()) -> None:
+                 files: tuple[Path, ...] = (), prompt: TimingTable | None = None) -> None:
         self.verify = verify
         self.draft = draft
+        self.prompt = prompt  # the drafter's prompt path, one row (None: it has none)
         self.source = source  # where the tables came from, for reports
         self.files = files  # the cache files the tables were read from or written to
         self.drifted = False  # the table was found off and its files marked stale
@@ -213,6 +224,10 @@ class MeasuredCosts:
 
     def draft_time(self, rows: int, tokens: int) -> float:
         return 0.0 if self.draft is None else self.draft(rows, tokens) * self.draft_scale
+
+    def prompt_time(self, tokens: int) -> float:
+        """The drafter's load (`draft_scale`) carries its prompt path's table along."""
+        return self.draft_time(1, tokens) if self.prompt is None else self.prompt(1, tokens) * self.draft_scale
 
     def overhead(self) -> float:
         return self._overhead or 0.0
@@ -288,11 +303,13 @@ def agreed(timings: list[float]) -> bool:
 
 
 @torch.inference_mode()
-def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logits: bool) -> TimingTable:
+def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logits: bool,
+            prompt: bool = False) -> TimingTable:
     """Time one forward of each shape (`shapes`) through the layout the engine runs the model on
     (ragged, or stateful for a model with recurrent state), after CONTEXT committed tokens per row;
     `all_logits` as a verify forward (every position's logits) rather than a drafter step (the last
-    position's only). Shapes whose timings never agreed are named in the table's `doubts`.
+    position's only); `prompt`: on the model's prompt path (`roles.prompt_pass`). Shapes whose
+    timings never agreed are named in the table's `doubts`.
 
     Shapes are timed in interleaved passes, each pass timing the shapes not yet agreed, so a burst
     of load on a shared machine hits every pending shape alike instead of one. A shape with more
@@ -319,7 +336,8 @@ def measure(model: torch.nn.Module, rows: list[int], tokens: list[int], all_logi
         feed = torch.full((r, n), ids[-1], dtype=torch.long, device=device)
         start = wall_clock(device)
         for repeats in range(1, MAX_REPEATS + 1):
-            layout.forward(feed, last_only=not all_logits)
+            with prompt_pass() if prompt else contextlib.nullcontext():
+                layout.forward(feed, last_only=not all_logits)
             layout.commit(base)
             elapsed = wall_clock(device) - start
             if elapsed >= MIN_TIMING_S:
@@ -454,6 +472,7 @@ class _Calibration:
     rows: int
     tokens: list[int]
     all_logits: bool
+    prompt: bool = False  # the model's prompt path (`measure`)
     table: TimingTable | None = None
     where: str = "measured"
     parts: dict = field(init=False)  # what the table depends on (`fingerprint`), its cache key's source
@@ -461,11 +480,18 @@ class _Calibration:
 
     def __post_init__(self) -> None:
         self.parts = fingerprint(self.model) | {"all_logits": self.all_logits, "calibration": CALIBRATION_VERSION}
+        if self.prompt:
+            self.parts["prompt_path"] = True
         self.path = costs_dir() / f"{hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()[:20]}.json"
 
     @property
     def role(self) -> str:
-        return "target" if self.all_logits else "drafter"
+        return "target" if self.all_logits else "drafter prompt path" if self.prompt else "drafter"
+
+    def measure(self, measure_fn: Callable[..., TimingTable], rows: list[int], tokens: list[int]) -> TimingTable:
+        """`measure_fn` on this model, asked for the prompt path only where this table is of it."""
+        extra = {"prompt": True} if self.prompt else {}
+        return measure_fn(self.model, rows, tokens, self.all_logits, **extra)
 
 
 def calibrated(model: torch.nn.Module, rows: int, tokens: list[int], all_logits: bool, fresh: bool = False,
@@ -493,7 +519,7 @@ def _calibrate(wanted: list[_Calibration], fresh: bool, measure_fn: Callable[...
         f"{TRIES * sum(counts)} timings: ~10-30 s for the bundled pair on a 2-core CPU, less on a GPU; "
         "left out of the decoding figures)")
     for c in missing:
-        c.table = measure_fn(c.model, grid(c.rows), c.tokens, c.all_logits)
+        c.table = c.measure(measure_fn, grid(c.rows), c.tokens)
         c.where = _keep(c)
     ended = "; ".join(f"{c.role} {c.where}" for c in missing)
     say(f"cost calibration took {time.perf_counter() - started:.1f} s: {ended}")
@@ -514,7 +540,7 @@ def _look_up(c: _Calibration, fresh: bool, measure_fn: Callable[..., TimingTable
         c.where = f"re-measured (the cached table was marked stale: {stale})"
     if table is None or not table.covers(c.rows, max(c.tokens)):
         return
-    was, now = table(1, c.tokens[0]), measure_fn(c.model, [1], c.tokens[:1], c.all_logits)(1, c.tokens[0])
+    was, now = table(1, c.tokens[0]), c.measure(measure_fn, [1], c.tokens[:1])(1, c.tokens[0])
     if was <= STALE_FACTOR * now:
         _MEMO[c.path.stem] = table
         c.table, c.where = table, f"cached {c.path}"
@@ -546,13 +572,16 @@ def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows:
     wanted = [_Calibration(target, rows, grid(max_drafts + 1, (2,)), all_logits=True)]
     if draft is not None:
         limit = context_limit(draft)  # a catch-up longer than the context can neither happen nor be measured
-        tokens = [n for n in DRAFT_TOKENS if limit is None or n + CONTEXT <= limit]
-        wanted.append(_Calibration(draft, rows, tokens, all_logits=False))
+        wanted.append(_Calibration(draft, rows, [n for n in DRAFT_TOKENS if limit is None or n + CONTEXT <= limit],
+                                   all_logits=False))
+        if has_prompt_path(draft):
+            wanted.append(_Calibration(draft, 1, [n for n in PROMPT_TOKENS if limit is None or n + CONTEXT <= limit],
+                                       all_logits=False, prompt=True))
     found = _calibrate(wanted, fresh, measure_fn)
     tables = [c.table for c in found]
     where = found[0].where if draft is None else "; ".join(f"{c.role} {c.where}" for c in found)
     return MeasuredCosts(tables[0], tables[1] if draft is not None else None, where,
-                         files=tuple(c.path for c in found))
+                         files=tuple(c.path for c in found), prompt=tables[2] if len(tables) > 2 else None)
 
 
 def drafting_time(draft_time: Callable[[int, int], float], rows: int, steps: int) -> float:

@@ -223,8 +223,10 @@ class Engine:
                                     probe=plan.steer is not None and plan.steer.probe)
 
     def _plan(self, seqs: list[Sequence], allowance: int | None) -> RoundPlan:
-        backlog = self.rows.drafter.backlog(seqs) if self.speculation.weighs_backlog else None
-        return self.speculation.plan(seqs, backlog, allowance)
+        if not self.speculation.weighs_backlog:
+            return self.speculation.plan(seqs, None, allowance)
+        drafter = self.rows.drafter
+        return self.speculation.plan(seqs, drafter.backlog(seqs), allowance, drafter.fast_catch_ups(seqs))
 
     def _draft(self, seqs: list[Sequence], plan: RoundPlan) -> tuple[Draft, Draft]:
         """What the drafter proposed and what the policy chose to verify of it."""

@@ -1,7 +1,8 @@
 """Which tokens of the forward running now are prompt tokens: the one fact a layer may route on.
 
 Under `--prefill-kernel int8` the target's quantized linears compute prompt tokens by another
-product than generated ones (`batchspec.kernels.PREFILL_INT8`). Exactness needs a token to take the
+product than generated ones (`batchspec.kernels.PREFILL_INT8`), as a quantized drafter's always do
+(its deferred prefills too: `drafters.model`). Exactness needs a token to take the
 same product wherever it is computed, so the route is the token's role, set here by whoever runs the
 forward (the layouts' prefills, plain decoding's prefill, a fresh forward over a prompt and its
 continuation), never a forward's size. A module of its own, importing nothing of batchspec, so

@@ -7,11 +7,13 @@ import json
 from dataclasses import asdict
 
 import pytest
+import torch
 from tinyworld import ScriptedCosts, tiny_model, tiny_stateful_model
 
 from batchspec import costs as costs_module
 from batchspec.bench.report import render_costs
 from batchspec.costs import (
+    PROMPT_TOKENS,
     SCALE_BOUNDS,
     STALE_FACTOR,
     MeasuredCosts,
@@ -23,7 +25,9 @@ from batchspec.costs import (
     measure,
     measured_costs,
 )
+from batchspec.kernels import QuantizedLinear, apply_quantization, quantization_kernel_reason
 from batchspec.layouts.ragged import RaggedLayout
+from batchspec.roles import prompt_positions
 
 
 def test_timing_table_interpolates_and_extends_linearly():
@@ -237,6 +241,39 @@ def test_calibration_says_what_it_times_and_how_long_it_took(tmp_path, monkeypat
     monkeypatch.setattr(costs_module, "_MEMO", {})
     costs = measured_costs(target, draft, 4, 5, measure_fn=linear_fake())
     assert capfd.readouterr().err == "" and costs.source.count("cached") == 2
+
+
+@pytest.mark.skipif(quantization_kernel_reason("int4", torch.device("cpu"), prompt_int8=True) is not None,
+                    reason="torch's quantized CPU kernels or _int_mm do not run here")
+def test_a_drafters_prompt_path_is_timed_on_it_and_prices_its_deferred_prefills(tmp_path, monkeypatch, capfd):
+    """A drafter with a prompt path gets a third table, one row on that path (`measure(prompt=True)`,
+    cached under its own key), which `prompt_time` reads under the drafter's load; `measure` itself runs
+    those forwards on the prompt path and no other. Without one, `prompt_time` is `draft_time`'s."""
+    monkeypatch.setattr(costs_module, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(costs_module, "_MEMO", {})
+    target, draft = tiny_model("qwen2", vocab_size=64), tiny_model("llama", vocab_size=64)
+    apply_quantization(draft, "int4", prompt_int8=True)
+    asked: list = []
+
+    def fake(model, rows, tokens, all_logits, prompt=False):
+        asked.append((rows, tokens, all_logits, prompt))
+        return TimingTable(rows, tokens, [[(0.01 if prompt else 0.1) * r * t for t in tokens] for r in rows])
+
+    costs = measured_costs(target, draft, 4, 5, measure_fn=fake)
+    assert ([1], PROMPT_TOKENS, False, True) in asked and len(costs.files) == len(set(costs.files)) == 3
+    assert "drafter prompt path LlamaForCausalLM: 3 shapes up to 1 rows x 128 tokens" in capfd.readouterr().err
+    assert costs.prompt_time(100) == pytest.approx(1.0) and costs.draft_time(1, 100) == pytest.approx(10.0)
+    costs.draft_scale = 2.0
+    assert costs.prompt_time(100) == pytest.approx(2.0)
+    plain = measured_costs(target, tiny_model("llama", vocab_size=64), 4, 5, measure_fn=linear_fake())
+    assert plain.prompt is None and plain.prompt_time(100) == plain.draft_time(1, 100)
+    seen: list = []
+    first = next(m for m in draft.modules() if isinstance(m, QuantizedLinear))
+    first.register_forward_pre_hook(lambda module, args: seen.append(prompt_positions()))
+    measure(draft, [1], [40], all_logits=False, prompt=True)
+    timed, seen[:] = list(seen), []
+    measure(draft, [1], [40], all_logits=False)
+    assert timed[-1] and not any(seen[1:])  # past the context's prefill (a prompt pass): the timed forwards
 
 
 def test_rounds_far_from_the_table_mark_its_cache_stale(tmp_path, monkeypatch, capsys):

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from tinyworld import (VOCAB_SIZE, ScriptedCosts, next_turn, perturbed_copy, random_prompts, save_pair, tiny_model,
-                       tiny_tokenizer, torch_threads)
+from tinyworld import (VOCAB_SIZE, ScheduledSpeculation, ScriptedCosts, next_turn, perturbed_copy, random_prompts,
+                       save_pair, tiny_model, tiny_tokenizer, torch_threads)
 
 from batchspec.build import build_engine
 from batchspec.cli import main
@@ -32,9 +32,9 @@ from batchspec.kernels import (
     weights_summary,
 )
 from batchspec.kv import forward_plain, new_dynamic_cache, prompt_first_forwards
-from batchspec.models import load_model, load_pair
+from batchspec.models import draft_prefill_kernel, load_model, load_pair
 from batchspec.reference import greedy_decode, reference_decode
-from batchspec.roles import prompt_pass
+from batchspec.roles import prompt_pass, prompt_positions
 
 pytestmark = pytest.mark.skipif(quantization_kernel_reason("int4", torch.device("cpu"), prompt_int8=True) is not None,
                                 reason="torch's quantized CPU kernels or _int_mm do not run here")
@@ -177,10 +177,21 @@ def test_loading_names_the_prompt_path_and_counts_its_bytes(tmp_path):
     plain = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int4", draft_quantization="int8"))
     pair = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int4", draft_quantization="int8",
                                  prefill_kernel="int8"))
-    assert not has_prompt_path(plain.target) and has_prompt_path(pair.target) and not has_prompt_path(pair.draft)
+    assert not has_prompt_path(plain.target) and has_prompt_path(pair.target)
     assert "+prefill-int8 x" in weights_summary(pair.target) and "+prefill-int8" not in weights_summary(plain.target)
     assert "int8 x1" in weights_summary(pair.target)  # the output layer: no prompt path
     assert weight_bytes(pair.target) > weight_bytes(plain.target)
+    # a quantized drafter has one whatever --prefill-kernel says (it changes no output); a float one none
+    assert has_prompt_path(plain.draft) and "int8+prefill-int8 x" in weights_summary(plain.draft)
+    float_draft = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int4", draft_quantization="none"))
+    assert not has_prompt_path(float_draft.draft)
+
+
+def test_a_drafter_without_the_int8_product_loads_without_a_prompt_path(monkeypatch):
+    assert draft_prefill_kernel("int4", "cpu") == "int8" and draft_prefill_kernel("none", "cpu") == "weights"
+    monkeypatch.setattr("batchspec.models.quantization_kernel_reason",
+                        lambda bits, device, prompt_int8=False: "this torch build lacks aten._int_mm" if prompt_int8 else None)
+    assert draft_prefill_kernel("int4", "cpu") == "weights"
 
 
 def test_bad_prefill_kernel_settings_are_one_clear_line(tmp_path):
@@ -233,3 +244,86 @@ def test_an_int8_prefill_run_is_audited_from_the_command_line(tmp_path):
     assert main(["audit", "--prompts", str(prompts), "--outputs", str(outputs), "--report", str(report), *model]) == 0
     totals = json.loads(report.read_text())["totals"]
     assert (totals["rows"], totals["exact_match"]) == (3, 3)
+
+
+# ---- a quantized drafter's prompt path ------------------------------------------------------------
+def prompt_path_pair(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A quantized target without a prompt path and an int4 drafter with one (as `load_pair` loads a
+    quantized drafter)."""
+    target = tiny_model(arch, vocab_size=VOCAB_SIZE)
+    draft = perturbed_copy(target, noise=0.02, seed=1)
+    apply_quantization(target, "int8")
+    apply_quantization(draft, "int4", prompt_int8=True)
+    pack_linears(target)
+    pack_linears(draft)
+    return target, draft
+
+
+def spy_on_roles(model: torch.nn.Module) -> list[tuple[int, object]]:
+    """(tokens per row, `prompt_positions()`) of every forward of `model`, from its first linear."""
+    seen: list[tuple[int, object]] = []
+    first = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
+    first.register_forward_pre_hook(lambda module, args: seen.append((args[0].shape[-2], prompt_positions())))
+    return seen
+
+
+@pytest.mark.parametrize("method, scheduler, speculation, chunk, cache", [
+    ("ragged", "continuous", "adaptive", None, 0.0), ("ragged", "continuous", "adaptive", 24, 0.01),
+    ("ragged", "static", "fixed", None, 0.0), ("ragged", "continuous", "fixed", 16, 0.01),
+    ("eqspec", None, "fixed", None, 0.0), ("exspec", "pool", "fixed", None, 0.0),
+])
+def test_a_drafters_prompt_path_keeps_outputs_exact_and_its_cache_checkable(method, scheduler, speculation, chunk,
+                                                                             cache):
+    """A drafter's prefills, deferred ones and their pieces included, run on its prompt path and its
+    drafting steps do not; the invariant checker recomputes every sampled drafter row's K/V with its
+    leading `prompt_slots` on the prompt path and the rest not, and finds them equal each round
+    (whole, chunked, pooled and padded layouts, a prefix cache); every output is plain decoding of
+    its prompt alone."""
+    target, draft = prompt_path_pair("qwen2")
+    prompts = random_prompts(6, [40, 4, 45, 9, 36, 13], seed=3)
+    spec = SpecConfig(method=method, scheduler=scheduler, speculation=speculation, num_draft_tokens=3, batch_size=3,
+                      max_prefill_tokens=chunk, prefix_cache_gb=cache, check_invariants=True)
+    engine = build_engine(target, spec, (), draft_model=draft, costs=ScriptedCosts(1.0, 0.1, 0.2, prompt_share=0.5))
+    engine.reserve(rows=3, capacity=128)
+    rectangles: list[object] = []  # the roles of the drafter's forwards over all the round's rows
+    layout = engine.rows.drafter.layout
+    forward = layout.forward
+    layout.forward = lambda tokens, last_only=False: rectangles.append(prompt_positions()) or forward(tokens, last_only)
+    drafter, checked = engine.rows.drafter, []
+    views = drafter.views
+    drafter.views = lambda seqs, sample_rows: checked.append(max(drafter.prompt_slots, default=0)) or views(seqs, sample_rows)
+    params = SamplingParams(max_new_tokens=12)
+    for _ in range(2):  # the second time through, a prefix cache holds the prompts
+        outputs = engine.generate(prompts, params)
+        for prompt, seq in zip(prompts, outputs):
+            assert seq.generated == greedy_decode(target, prompt, 12), f"prompt {seq.index} diverged"
+    assert max(checked) > 0  # rows the checker found computed on the prompt path where `prompt_slots` says
+    assert rectangles and not any(rectangles)  # drafting steps and shared catch-ups never did
+    assert sum(seq.accepted for seq in outputs) > 0
+
+
+def test_a_long_catch_up_continues_the_prompt_path_only_where_it_ends():
+    """Fed alone from where the slots its prompt path computed end (here the prefill at admission,
+    after 40 plain steps), a long catch-up takes the prompt path too and extends those slots; once a
+    drafting step has fed past them, the next long catch-up takes the weights' kernel. `fast_catch_ups`
+    says which before each, for the policy's pricing."""
+    target, draft = prompt_path_pair("llama")
+    seen = spy_on_roles(draft)
+    spec = SpecConfig(method="ragged", speculation="fixed", num_draft_tokens=2, batch_size=1)
+    engine = build_engine(target, spec, (), draft_model=draft)
+    engine.reserve(rows=1, capacity=256)
+    drafter = engine.rows.drafter
+    assert drafter.prompt_path and not drafter.lazy  # fixed speculation: prefilled at admission
+    engine.speculation = ScheduledSpeculation([0] * 40 + [2] * 5 + [0] * 40 + [2] * 30)
+    prompt = random_prompts(1, [20], seed=8)[0]
+    engine.add_request(prompt, SamplingParams(max_new_tokens=150))
+    slots, fast = [], []
+    while engine.has_unfinished():
+        slots.append(list(drafter.prompt_slots))
+        fast.append(drafter.fast_catch_ups(engine.running))
+        output = engine.step()
+    assert output[0].generated == greedy_decode(target, prompt, 150)
+    assert slots[1] == [20]  # the prefill at admission (slots[i]: before step i)
+    long = [roles for tokens, roles in seen if tokens > 32]  # the two catch-ups of 40 plain steps
+    assert len(long) == 2 and long[0] and not long[1]
+    assert fast[40] == [True] and slots[41] == [20 + 39] and fast[85] == [False] and slots[-1] == [59]

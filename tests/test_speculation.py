@@ -571,6 +571,23 @@ def test_unseeded_rows_keep_the_targets_distribution_on_a_step_shaped_cost_table
     assert min(_p_values(old_pairs)) < 1e-6
 
 
+def test_a_deferred_prefill_on_the_drafters_prompt_path_is_priced_by_it():
+    """A row whose catch-up runs on the drafter's prompt path (`Drafter.fast_catch_ups`: a deferred
+    prefill) is priced by `Costs.prompt_time`, its pieces too; others by `draft_time`. A prompt too dear
+    to catch up by the weights' kernel is caught up where the prompt path makes it cheap enough."""
+    costs = ScriptedCosts(verify_base=1.0, verify_token=0.05, draft_step=0.28, draft_token=0.002, prompt_share=0.25)
+    policy = AdaptiveSpeculation(K, costs)
+    assert policy.catch_up_cost(600, fast=True) == pytest.approx(0.25 * costs.draft_time(1, 600))
+    assert policy.catch_up_cost(600) == pytest.approx(costs.draft_time(1, 600))
+    chunked = AdaptiveSpeculation(K, costs, chunk=100)
+    assert chunked.catch_up_cost(250, fast=True) == pytest.approx(2 * costs.prompt_time(100) + costs.prompt_time(50))
+    seqs = rows(8, budget=40)
+    backlog = [0] * 7 + [12000]  # as `test_a_catch_up_is_weighed_against_what_the_batch_does_without_it`, dearer
+    assert not policy.plan(seqs, backlog).steer.proceed(0)
+    steer = AdaptiveSpeculation(K, costs).plan(seqs, backlog, fast=[False] * 7 + [True]).steer
+    assert steer.proceed(0) and steer.drafting().all()
+
+
 def test_catch_ups_fit_the_steps_allowance_in_pieces():
     """Under a per-step token budget a catch-up is priced as the forwards of its pieces and pays back
     only over the tokens a row has left after the steps it spends being caught up; a round fits its

@@ -227,13 +227,15 @@ class ScriptedDrafter(Drafter):
 class ScriptedCosts:
     """A cost model for tests, so no decision depends on timing: a verify forward costs
     `verify_base + verify_token * rows * tokens`, a drafter forward `draft_step`, plus `draft_token` per
-    row and token beyond the two a drafting step feeds (a catch-up: a prompt it has not prefilled).
+    row and token beyond the two a drafting step feeds (a catch-up: a prompt it has not prefilled), and
+    `prompt_share` of that on the drafter's prompt path.
     The rounds the engine reports are kept in `observed` and change nothing."""
 
     def __init__(self, verify_base: float = 1.0, verify_token: float = 0.1, draft_step: float = 0.2,
-                 draft_token: float = 0.0) -> None:
+                 draft_token: float = 0.0, prompt_share: float = 1.0) -> None:
         self.verify_base, self.verify_token, self.draft_step = verify_base, verify_token, draft_step
         self.draft_token = draft_token
+        self.prompt_share = prompt_share  # a forward on the drafter's prompt path, as a share of draft_time's
         self.observed: list[tuple[int, int, int]] = []
 
     def verify_time(self, rows: int, tokens: int) -> float:
@@ -241,6 +243,9 @@ class ScriptedCosts:
 
     def draft_time(self, rows: int, tokens: int) -> float:
         return self.draft_step + self.draft_token * rows * max(0, tokens - 2)
+
+    def prompt_time(self, tokens: int) -> float:
+        return self.draft_time(1, tokens) * self.prompt_share
 
     def overhead(self) -> float:
         return 0.0
@@ -261,7 +266,8 @@ class ScheduledSpeculation(Speculation):
         self.seqs: list[Sequence] = []
         self.steps = 0
 
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None,
+             fast: list[bool] | None = None) -> RoundPlan:
         steps = self.schedule[self.round % len(self.schedule)]
         self.round += 1
         self.seqs = seqs

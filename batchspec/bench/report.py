@@ -291,6 +291,9 @@ def render_costs(costs: MeasuredCosts, rows: list[int], max_drafts: int) -> str:
         lines += ["", format_table(
             ["drafter forward (ms)", *(f"{n} tok/row" for n in fed)],
             ([f"{r} rows", *(f"{costs.draft_time(r, n) * 1e3:.1f}" for n in fed)] for r in rows))]
+    if costs.prompt is not None:  # a quantized drafter's deferred prefills
+        lines += ["", format_table(["drafter prompt path (ms)", *(f"{n} tok" for n in costs.prompt.tokens)],
+                                   [["1 row", *(f"{costs.prompt_time(n) * 1e3:.1f}" for n in costs.prompt.tokens)]])]
     lines += ["", "Break-even acceptance per draft: K drafts per row beat plain decoding only above it", format_table(
         ["batch", *(f"K={k}" for k in range(1, max_drafts + 1))],
         ([str(r), *(_even(costs, r, k) for k in range(1, max_drafts + 1))] for r in rows))]

@@ -47,7 +47,8 @@ class Drafter(ABC):
     that keeps state it can check exposes it in `views`. Stateless drafters ignore all but `propose`.
 
     Adaptive speculation adds `propose_steered` (draft while a `Steering` says it pays), `skip` (a
-    round passed without drafts) and `backlog` (what catching a row up would feed it); all have
+    round passed without drafts) and `backlog` (what catching a row up would feed it, and
+    `fast_catch_ups`, by which path); all have
     defaults, so a drafter that knows none of them still works.
     """
 
@@ -79,6 +80,11 @@ class Drafter(ABC):
         """Tokens per row this drafter must be fed before it can draft for it (what plain steps
         committed, a prompt it has not prefilled yet): the speculation policy weighs that cost."""
         return [0] * len(seqs)
+
+    def fast_catch_ups(self, seqs: list[Sequence]) -> list[bool]:
+        """Whether each row's catch-up would run on this drafter's prompt path (`Costs.prompt_time`
+        prices it) rather than its weights' kernel (`Costs.draft_time`)."""
+        return [False] * len(seqs)
 
     def catch_ups(self) -> list[CatchUp]:
         """The forwards the last `propose` (or `skip`) ran catching rows up rather than drafting (a

@@ -24,16 +24,29 @@ Under a per-step token budget (chunked prefill) the policy may start a catch-up 
 the step's budget cannot hold (`Steering.pieces`): the row is fed that many tokens of its lag, alone,
 and does not draft this round. Its cursor then stands at what it validly holds, so the next step's lag (`backlog`) is
 what remains, and it drafts once a step can finish its catch-up.
+
+A quantized drafter also holds an int8 prompt path (`models.draft_prefill_kernel`), which computes a
+forward of one row faster than its weights' kernel from ~17 tokens on, twice as fast from ~64
+(docs/quantization.md, "Its prompt path"), and slower below. Its prefills take it (as the
+target's do, `roles.prompt_pass`), and so does a forward of one row alone that continues the slots the
+row computed that way (`prompt_slots`): a deferred prefill, and its pieces. Every other forward (a
+shared catch-up, a drafting step, a catch-up after drafting began) takes the weights' kernel. So each
+row's K/V is its leading `prompt_slots` tokens by the prompt path and the rest by the weights', which
+is what `views` asks the invariant checker to recompute. Drafts are proposals: how the drafter computed
+them changes acceptance, never the output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
+from ..kernels import has_prompt_path
 from ..layouts import Layout, LayoutView, RaggedLayout
 from ..layouts.base import FILLER_TOKEN
+from ..roles import prompt_pass
 from ..sequence import Sequence
 from .base import SHARED_CATCH_UP, CatchUp, Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
 
@@ -53,6 +66,10 @@ class ModelDrafter(Drafter):
             raise ValueError("a lazy drafter prefill needs per-row cursors (the ragged layout, unpooled)")
         self.lazy = lazy
         self.caught_up: list[CatchUp] = []  # the catch-up forwards of the last `draft`
+        # Per row of the home layout: its leading slots whose K/V the prompt path computed (see above).
+        self.prompt_slots: list[int] = []
+        self._group: list[int] = []  # pooled: the pool rows the round's rows were loaded from (`load`)
+        self.prompt_path = has_prompt_path(layout.model)
         self.totals = {"draft_catch_up_tokens": 0.0, "draft_catch_up_time": 0.0}
 
     @property
@@ -62,8 +79,10 @@ class ModelDrafter(Drafter):
     def add(self, seqs: list[Sequence]) -> None:
         if self.lazy:
             self.layout.add_empty(len(seqs))
+            self.prompt_slots += [0] * len(seqs)
         else:
             self._home.prefill([s.prompt_ids for s in seqs])
+            self.prompt_slots += [len(s.prompt_ids) for s in seqs]
 
     def backlog(self, seqs: list[Sequence]) -> list[int]:
         """Tokens each row would be fed before it can be drafted for (its prompt, if lazy and never
@@ -72,6 +91,13 @@ class ModelDrafter(Drafter):
             return [0] * len(seqs)
         # `_span`'s difference, in Python (asked every round): a row holds at most all but its last two
         return [max(s.length - 2 - have, 0) for s, have in zip(seqs, self.layout.lengths.tolist())]
+
+    def fast_catch_ups(self, seqs: list[Sequence]) -> list[bool]:
+        """Whether each row's catch-up would run on the prompt path: fed alone from where the slots its
+        prompt path computed end (a deferred prefill). False for a drafter without one."""
+        if not self.rowwise or not self.prompt_path:
+            return [False] * len(seqs)
+        return [have == fast for have, fast in zip(self.layout.lengths.tolist(), self.prompt_slots)]
 
     def catch_ups(self) -> list[CatchUp]:
         return self.caught_up
@@ -102,6 +128,7 @@ class ModelDrafter(Drafter):
             return empty_draft(len(seqs), self.layout.device)
         joined = steer.drafting() if steer is not None and self.rowwise else None
         have, feed = self._catch_up(seqs, joined)
+        self._overwritten(self.layout.lengths)  # the steps feed every row from its cursor
         tokens, logits, forced_slots = [], [], []
         for step in range(k):
             step_logits = self.layout.forward(feed, last_only=True)[:, -1]
@@ -156,10 +183,10 @@ class ModelDrafter(Drafter):
             if int((have + torch.where(alone, lag, 0)).max()) + short > self.layout.store.capacity:
                 alone = lag > 0  # the shared rectangle would run past some row's slots: no sharing
             for b in alone.nonzero().flatten().tolist():
-                n = int(lag[b])
-                self._timed([b], [n], False, True, self.layout.feed_row, b, self._lagging(seqs[b], int(have[b]), n))
+                self._feed_alone(seqs[b], b, int(have[b]), int(lag[b]), True)
             shared &= ~alone
         if bool(shared.any()):
+            self._overwritten(self.layout.lengths)  # a rectangle: every row is fed from its cursor
             width = int(lag[shared].max())
             rows = []
             for s, b, n, fed in zip(seqs, have.tolist(), lag.tolist(), shared.tolist()):
@@ -181,7 +208,22 @@ class ModelDrafter(Drafter):
         for b in pieces.nonzero().flatten().tolist():
             lag = int(target[b] - have[b])
             n = min(int(pieces[b]), lag)
-            self._timed([b], [n], False, n == lag, self.layout.feed_row, b, self._lagging(seqs[b], int(have[b]), n))
+            self._feed_alone(seqs[b], b, int(have[b]), n, n == lag)
+
+    def _feed_alone(self, seq: Sequence, b: int, have: int, n: int, complete: bool) -> None:
+        """Feed row b (holding `have` tokens) its next n tokens in a forward of its own: by the prompt
+        path where that continues the slots it computed (`prompt_slots`), else by the weights'."""
+        fast = self.prompt_slots[b] == have
+        with prompt_pass() if fast else nullcontext():
+            self._timed([b], [n], False, complete, self.layout.feed_row, b, self._lagging(seq, have, n))
+        self.prompt_slots[b] = have + n if fast else min(self.prompt_slots[b], have)
+
+    def _overwritten(self, starts: torch.Tensor) -> None:
+        """The round's rows were fed by the weights' kernel from slots `starts` [b] on: what their
+        prompt path computed ends there at the latest."""
+        rows = self._group if self.pool is not None else range(len(self.prompt_slots))
+        for row, start in zip(rows, starts.tolist()):
+            self.prompt_slots[row] = min(self.prompt_slots[row], start)
 
     @staticmethod
     def _lagging(seq: Sequence, have: int, n: int) -> list[int]:
@@ -203,7 +245,9 @@ class ModelDrafter(Drafter):
         self.layout.commit(self._committed(seqs))
 
     def drop(self, keep: list[bool]) -> list[int]:
-        return self._home.drop(keep)
+        order = self._home.drop(keep)
+        self.prompt_slots = [self.prompt_slots[i] for i in order]
+        return order
 
     def load(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """What the pool holds of each row, at most all but its last two tokens: `propose` feeds those
@@ -211,6 +255,7 @@ class ModelDrafter(Drafter):
         if self.pool is not None:
             wanted = torch.tensor([s.length - 2 for s in seqs], dtype=torch.long, device=self.layout.device)
             self.layout.load_rows(self.pool, rows, torch.minimum(self.pool.lengths[rows], wanted))
+            self._group = rows.tolist()
 
     def save(self, rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """Only K/V of accepted tokens is valid, and the drafter may have fed rejected drafts beyond
@@ -232,7 +277,9 @@ class ModelDrafter(Drafter):
     def unstage(self) -> None:
         if self.lazy:
             self.layout.add_empty(1)
+            self.prompt_slots.append(0)
         else:
+            self.prompt_slots.append(self._home.staged)  # every staged chunk is a prompt pass
             self._home.unstage()
 
     def discard_staged(self) -> None:
@@ -248,7 +295,8 @@ class ModelDrafter(Drafter):
         Pooled, the rectangle it drafted in is checked for structure and positions too."""
         home = self._home
         valid = [min(int(n), s.length - 2) for n, s in zip(home.lengths.tolist(), seqs)]
+        prefixes = [s.tokens[:v] for s, v in zip(seqs, valid)]
         if self.pool is None:
-            return [LayoutView("drafter", home, None, [s.tokens[:v] for s, v in zip(seqs, valid)], sample_rows)]
-        return [LayoutView("drafter pool", home, None, [s.tokens[:v] for s, v in zip(seqs, valid)], sample_rows),
+            return [LayoutView("drafter", home, None, prefixes, sample_rows, self.prompt_slots)]
+        return [LayoutView("drafter pool", home, None, prefixes, sample_rows, self.prompt_slots),
                 LayoutView("drafter group", self.layout, None, [], [])]

@@ -160,6 +160,9 @@ class HybridDrafter(Drafter):
     def backlog(self, seqs: list[Sequence]) -> list[int]:
         return self.model.backlog(seqs)
 
+    def fast_catch_ups(self, seqs: list[Sequence]) -> list[bool]:
+        return self.model.fast_catch_ups(seqs)
+
     def catch_ups(self) -> list[CatchUp]:
         return self.model.catch_ups()
 

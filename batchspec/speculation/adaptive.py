@@ -48,6 +48,7 @@ class RoundSteering:
     backlog: torch.Tensor  # [b] tokens the drafter must be fed (catch up on) before drafting for the row
     remaining: torch.Tensor  # [b] tokens each row may still commit: what a catch-up pays back over
     allowance: int | None = None  # catch-up tokens this step may still feed (None: unbounded)
+    fast: list[bool] | None = None  # [b] row b's catch-up runs on the drafter's prompt path (None: none does)
     probe: bool = False
     probe_cost: float = 0.0  # predicted seconds a probe adds to a plain step (set when it is one)
     steps: int = 0  # drafter steps run so far
@@ -146,25 +147,27 @@ class AdaptiveSpeculation(Speculation):
                 best = (width, rate)
         return best
 
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None,
+             fast: list[bool] | None = None) -> RoundPlan:
         remaining = [s.remaining for s in seqs]
         caps = [min(max(left - 1, 0), self.k_max) for left in remaining]
         if max(caps) == 0:
             return RoundPlan(0)
         lags = backlog if backlog is not None else [0] * len(seqs)
         alpha = self.model.expected_rows(seqs)
-        if self.asks_first and self.idle(alpha, caps, lags, allowance):
+        if self.asks_first and self.idle(alpha, caps, lags, allowance, fast):
             return RoundPlan(0, declined=True)
         return RoundPlan(max(caps), RoundSteering(self, seqs, torch.tensor(caps), torch.tensor(alpha, dtype=torch.float64),
-                                                  torch.tensor(lags), torch.tensor(remaining), allowance))
+                                                  torch.tensor(lags), torch.tensor(remaining), allowance, fast))
 
-    def idle(self, alpha: list[list[float]], caps: list[int], lags: list[int], allowance: int | None) -> bool:
+    def idle(self, alpha: list[list[float]], caps: list[int], lags: list[int], allowance: int | None,
+             fast: list[bool] | None = None) -> bool:
         """Whether `open` would surely make this round a plain step that feeds no catch-up and runs
         no probe, found on the rows' lists in Python floats (most rounds are such rounds where
         speculation does not pay, and `open`'s few dozen operations on [b, k] tensors would cost
         ~1% of a plain step); if so, the round is booked as `open` books a declined one and the
-        drafter is not asked. `alpha` [b][k_max], `caps` [b] and `lags` [b] as `RoundSteering` holds
-        them. Such a round is one where no long catch-up starts and no row drafts, because either
+        drafter is not asked. `alpha` [b][k_max], `caps` [b], `lags` [b] and `fast` [b] as
+        `RoundSteering` holds them. Such a round is one where no long catch-up starts and no row drafts, because either
         - not even every row drafting promises the margin, so no set of rows does (a row more only
           adds to what a width promises): `leave_out` would catch no row up; or
         - drafting has measured a loss not yet paid back (`book`), and no row lags long or
@@ -176,7 +179,7 @@ class AdaptiveSpeculation(Speculation):
             return False
         if allowance is not None and sum(n for n in lags if n <= SHARED_CATCH_UP) > allowance:
             return False  # a short catch-up would be fed a piece (`within_budget`)
-        if self.probe_price(lags, plain) is not None:
+        if self.probe_price(lags, plain, fast) is not None:
             return False
         self.decline(plain)
         return True
@@ -199,13 +202,14 @@ class AdaptiveSpeculation(Speculation):
         _, best = self.best_rate(rows, gains, 1, top)
         return best * (1 + PROMISE_SLACK) > rows / plain * (1 + OPEN_MARGIN)
 
-    def probe_price(self, lags: list[int], plain: float) -> float | None:
-        """Seconds a one-draft probe of rows lagging `lags` tokens (0: not drafting) would add to a
-        plain step (`plain` seconds), if the probe credit covers them (None: not yet)."""
+    def probe_price(self, lags: list[int], plain: float, fast: list[bool] | None = None) -> float | None:
+        """Seconds a one-draft probe of rows lagging `lags` tokens (0: not drafting; `fast`: on the
+        drafter's prompt path) would add to a plain step (`plain` seconds), if the probe credit covers
+        them (None: not yet)."""
         one_draft = self.round_time(len(lags), 1, 1)
         if one_draft - plain > self.probe_credit:  # its catch-ups only add to that: priced only when not
             return None
-        probe = sum(self.catch_up_time(lags, long) for long in (False, True)) + one_draft - plain
+        probe = sum(self.catch_up_time(lags, long, fast) for long in (False, True)) + one_draft - plain
         return probe if probe <= self.probe_credit else None
 
     def decline(self, plain: float) -> None:
@@ -214,22 +218,25 @@ class AdaptiveSpeculation(Speculation):
         self.draft_account = min(self.draft_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
         self.catch_up_account = min(self.catch_up_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
 
-    def catch_up_time(self, lags: list[int], long: bool) -> float:
+    def catch_up_time(self, lags: list[int], long: bool, fast: list[bool] | None = None) -> float:
         """Predicted seconds of catching up rows lagging `lags` tokens (0: a row that does not
-        draft): their long lags (`long`: a forward of each row's own) or their short ones (one
-        forward shared by all rows)."""
+        draft): their long lags (`long`: a forward of each row's own, on the drafter's prompt path
+        where `fast` says so) or their short ones (one forward shared by all rows)."""
         if long:
-            return sum(self.catch_up_cost(n) for n in lags if n > SHARED_CATCH_UP)
+            fast = fast or [False] * len(lags)
+            return sum(self.catch_up_cost(n, f) for n, f in zip(lags, fast) if n > SHARED_CATCH_UP)
         short = max((n for n in lags if n <= SHARED_CATCH_UP), default=0)
         return self.costs.draft_time(len(lags), short) if short > 0 else 0.0
 
-    def catch_up_cost(self, lag: int) -> float:
+    def catch_up_cost(self, lag: int, fast: bool = False) -> float:
         """Predicted seconds of feeding one row a lag of `lag` tokens alone: one forward, or under a
-        per-step budget one forward per `chunk` tokens (a piece a step)."""
+        per-step budget one forward per `chunk` tokens (a piece a step); on the drafter's prompt path
+        if `fast` (a deferred prefill: its pieces continue on it), else by its weights' kernel."""
+        forward = self.costs.prompt_time if fast else (lambda tokens: self.costs.draft_time(1, tokens))
         if self.chunk is None or lag <= self.chunk:
-            return self.costs.draft_time(1, lag)
+            return forward(lag)
         whole, rest = divmod(lag, self.chunk)
-        return whole * self.costs.draft_time(1, self.chunk) + (self.costs.draft_time(1, rest) if rest else 0.0)
+        return whole * forward(self.chunk) + (forward(rest) if rest else 0.0)
 
     def catch_up_delay(self, lag: int) -> int:
         """Steps a row decodes plainly while its catch-up of `lag` tokens is fed a piece a step,
@@ -302,7 +309,8 @@ class AdaptiveSpeculation(Speculation):
                 return plain  # `open` would not draft for this set: its rounds are plain steps
             return self.best_width(steer, 1, top, 0, cumulative=optimistic * drafting[:, None])[1]
 
-        cost = {b: self.catch_up_cost(int(steer.backlog[b])) for b in lagging.nonzero().flatten().tolist()}
+        fast = steer.fast or [False] * rows
+        cost = {b: self.catch_up_cost(int(steer.backlog[b]), fast[b]) for b in lagging.nonzero().flatten().tolist()}
         order = sorted(cost, key=cost.get)
         drafting = ~lagging
         before = rate(drafting)
@@ -349,7 +357,7 @@ class AdaptiveSpeculation(Speculation):
                     self.probe_credit = min(self.probe_credit, 0.0)  # earned while idle; a debt stays
                     return True
         steer.caps = everyone
-        probe = self.probe_price(steer.lags(), plain)
+        probe = self.probe_price(steer.lags(), plain, steer.fast)
         if probe is not None:
             self.within_budget(steer)
             if int(steer.caps.max()) > 0:

@@ -46,10 +46,12 @@ class Speculation(ABC):
     weighs_backlog = False  # whether `plan` reads the drafter's backlog (the engine asks for it only then)
 
     @abstractmethod
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None,
+             fast: list[bool] | None = None) -> RoundPlan:
         """The round for these rows; backlog[b]: tokens the drafter must be fed (catch up on) before
         it can draft for row b (`Drafter.backlog`; None: nothing); allowance: catch-up tokens this
-        step may still feed (the step's token budget less what prefill took; None: unbounded)."""
+        step may still feed (the step's token budget less what prefill took; None: unbounded);
+        fast[b]: row b's catch-up runs on the drafter's prompt path (`Drafter.fast_catch_ups`)."""
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
         """The drafts to verify, out of what the drafter proposed."""
@@ -71,5 +73,6 @@ class FixedSpeculation(Speculation):
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None) -> RoundPlan:
+    def plan(self, seqs: list[Sequence], backlog: list[int] | None = None, allowance: int | None = None,
+             fast: list[bool] | None = None) -> RoundPlan:
         return RoundPlan(max(0, min(self.k, max(s.remaining for s in seqs) - 1)))
