@@ -7,6 +7,8 @@ the longest step; that step's parts: its prefill pieces (prompt chunks, each a f
 and the rest (drafter catch-ups and the round); the longest rest of any step against the slowest
 round, which says whether anything besides prefill stalled the rows; and the most prefill pieces
 one step ran. Issue 29's stall target reads: no step's rest above twice the slowest plain round.
+Then what the drafter's catch-ups fed and took, and what a token of a row's own catch-ups (deferred
+prefills and long lags, one row a forward) cost.
 """
 
 from __future__ import annotations
@@ -22,11 +24,19 @@ from batchspec.bench.report import format_table
 def summarise(lines: list[str]) -> list[dict]:
     """One dict per method, in the order the trace first names them."""
     steps: dict[str, dict[tuple[int, int], dict[str, float]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    catch_ups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for line in lines:
         if not line.strip():
             continue
         record = json.loads(line)
         method = record.get("method", "-")
+        if record["piece"] == "catch_up":  # a drafter's: shared by the rows it lists, or one row's own
+            fed = catch_ups[method]
+            fed["tokens"] += sum(record.get("tokens", []))
+            fed["s"] += record["s"]
+            if not record.get("shared", False):
+                fed["own_tokens"] += sum(record.get("tokens", []))
+                fed["own_s"] += record["s"]
         step = steps[method][record.get("repeat", 0), record["step"]]
         part = "prefill" if record["piece"] == "prefill" else "rest"
         step[part] += record["s"]
@@ -46,16 +56,21 @@ def summarise(lines: list[str]) -> list[dict]:
             "longest_rest_s": max(p["rest"] for p in parts),
             "slowest_round_s": max(p["round"] for p in parts),
             "most_prefill_pieces": int(max(p["prefill_pieces"] for p in parts)),
+            "catch_up_tokens": int(catch_ups[method]["tokens"]),
+            "catch_up_s": catch_ups[method]["s"],
+            "own_catch_up_ms_per_token": (1e3 * catch_ups[method]["own_s"] / catch_ups[method]["own_tokens"]
+                                          if catch_ups[method]["own_tokens"] else None),
         })
     return out
 
 
 def render(rows: list[dict]) -> str:
     headers = ["method", "steps", "longest step s", "its prefill s", "its rest s", "longest rest s",
-               "slowest round s", "prefill pieces/step"]
+               "slowest round s", "prefill pieces/step", "catch-up tokens", "catch-up s", "own catch-ups ms/token"]
     keys = ("method", "steps", "longest_step_s", "its_prefill_s", "its_rest_s", "longest_rest_s",
-            "slowest_round_s", "most_prefill_pieces")
-    return format_table(headers, [[f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows])
+            "slowest_round_s", "most_prefill_pieces", "catch_up_tokens", "catch_up_s", "own_catch_up_ms_per_token")
+    return format_table(headers, [[f"{r[k]:.3f}" if isinstance(r[k], float) else "-" if r[k] is None else str(r[k])
+                                   for k in keys] for r in rows])
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ def test_a_step_is_its_prefill_pieces_plus_the_rest():
         {"method": "m", "repeat": 0, "step": 0, "piece": "prefill", "s": 0.5},
         {"method": "m", "repeat": 0, "step": 0, "piece": "prefill", "s": 0.25},
         {"method": "m", "repeat": 0, "step": 0, "piece": "round", "s": 0.125},
-        {"method": "m", "repeat": 0, "step": 1, "piece": "catch_up", "s": 0.5},
+        {"method": "m", "repeat": 0, "step": 1, "piece": "catch_up", "s": 0.5, "tokens": [40], "shared": False},
+        {"method": "m", "repeat": 1, "step": 0, "piece": "catch_up", "s": 0.25, "tokens": [3, 5], "shared": True},
         {"method": "m", "repeat": 0, "step": 1, "piece": "round", "s": 0.25},
         {"method": "m", "repeat": 1, "step": 0, "piece": "round", "s": 0.375},
         {"method": "n", "repeat": 0, "step": 0, "piece": "round", "s": 0.0625},
@@ -31,9 +32,11 @@ def test_a_step_is_its_prefill_pieces_plus_the_rest():
     rows = summarise([json.dumps(r) for r in records] + [""])
     assert rows == [
         {"method": "m", "steps": 3, "longest_step_s": 0.875, "its_prefill_s": 0.75, "its_rest_s": 0.125,
-         "longest_rest_s": 0.75, "slowest_round_s": 0.375, "most_prefill_pieces": 2},
+         "longest_rest_s": 0.75, "slowest_round_s": 0.375, "most_prefill_pieces": 2,
+         "catch_up_tokens": 48, "catch_up_s": 0.75, "own_catch_up_ms_per_token": 12.5},
         {"method": "n", "steps": 1, "longest_step_s": 0.0625, "its_prefill_s": 0.0, "its_rest_s": 0.0625,
-         "longest_rest_s": 0.0625, "slowest_round_s": 0.0625, "most_prefill_pieces": 0},
+         "longest_rest_s": 0.0625, "slowest_round_s": 0.0625, "most_prefill_pieces": 0,
+         "catch_up_tokens": 0, "catch_up_s": 0.0, "own_catch_up_ms_per_token": None},
     ]
 
 
