@@ -59,9 +59,8 @@ MAX_REPEATS = 8
 MAX_GRID = 3  # measured points per axis (rows; verify tokens); the rest is interpolated
 # Drafter forwards timed: its steps (1 and 2 tokens), a catch-up shared by all rows (at most
 # SHARED_CATCH_UP tokens) and a row's own catch-up (a deferred prefill of its prompt, or the tokens of
-# a long run of plain steps), extrapolated
-# linearly beyond the last. A catch-up longer than SHARED_CATCH_UP runs one row at a time
-# (`drafters.model`), so it is timed on one row only.
+# a long run of plain steps), extrapolated linearly beyond the last. A catch-up longer than
+# SHARED_CATCH_UP runs one row at a time (`drafters.model`), so it is timed on one row only.
 DRAFT_TOKENS = [1, 2, SHARED_CATCH_UP, 128]
 # A quantized drafter's prompt path (`drafters.model`: its deferred prefills) is timed on one row too,
 # from one token (its fixed cost: an int8 copy of the weights read, rows padded to torch._int_mm's 17)
@@ -70,9 +69,10 @@ PROMPT_TOKENS = [1, SHARED_CATCH_UP, 128]
 # The calibration's budget: a table has at most MAX_GRID x MAX_GRID shapes (the drafter's one more,
 # its long catch-up on one row; its prompt path's table, if it has one, 3 on one row), each timed 2 to
 # TRIES times, so a model pair costs at most (2 x (MAX_GRID**2 + 1) + 3) x TRIES = 69 timings of
-# max(one forward, MIN_TIMING_S) each (~45 on a quiet machine, where most shapes agree at the second) plus a CONTEXT-token prefill and a warm-up per row count. For the
-# bundled pair at batch 4, K 5 on a 2-core CPU (a 1.5B forward 0.1-0.6 s, a 0.5B one 0.05-0.2 s, its
-# 128-token catch-up 0.3-0.7 s) that is ~10-20 s, at most ~30 s on a machine too busy to agree.
+# max(one forward, MIN_TIMING_S) each (~45 on a quiet machine, where most shapes agree at the second)
+# plus a CONTEXT-token prefill and a warm-up per row count. For the bundled pair at batch 4, K 5 on a
+# 2-core CPU (a 1.5B forward 0.1-0.6 s, a 0.5B one 0.05-0.2 s, its 128-token catch-up 0.3-0.7 s) that
+# is ~10-20 s, at most ~30 s on a machine too busy to agree.
 # A measured table is cached only if it is monotone where physics says it must be: among forwards of
 # at least MONOTONE_FROM row-tokens, one with more rows or more tokens per row (the other count
 # equal) may not be more than MONOTONE_SLACK cheaper (two timings, each trusted to AGREEMENT). Below

@@ -167,7 +167,8 @@ class AdaptiveSpeculation(Speculation):
         speculation does not pay, and `open`'s few dozen operations on [b, k] tensors would cost
         ~1% of a plain step); if so, the round is booked as `open` books a declined one and the
         drafter is not asked. `alpha` [b][k_max], `caps` [b], `lags` [b] and `fast` [b] as
-        `RoundSteering` holds them. Such a round is one where no long catch-up starts and no row drafts, because either
+        `RoundSteering` holds them. Such a round is one where no long catch-up starts and no row
+        drafts, because either
         - not even every row drafting promises the margin, so no set of rows does (a row more only
           adds to what a width promises): `leave_out` would catch no row up; or
         - drafting has measured a loss not yet paid back (`book`), and no row lags long or
