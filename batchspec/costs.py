@@ -572,11 +572,13 @@ def measured_costs(target: torch.nn.Module, draft: torch.nn.Module | None, rows:
     wanted = [_Calibration(target, rows, grid(max_drafts + 1, (2,)), all_logits=True)]
     if draft is not None:
         limit = context_limit(draft)  # a catch-up longer than the context can neither happen nor be measured
-        wanted.append(_Calibration(draft, rows, [n for n in DRAFT_TOKENS if limit is None or n + CONTEXT <= limit],
-                                   all_logits=False))
+
+        def fitting(tokens: list[int]) -> list[int]:
+            return [n for n in tokens if limit is None or n + CONTEXT <= limit]
+
+        wanted.append(_Calibration(draft, rows, fitting(DRAFT_TOKENS), all_logits=False))
         if has_prompt_path(draft):
-            wanted.append(_Calibration(draft, 1, [n for n in PROMPT_TOKENS if limit is None or n + CONTEXT <= limit],
-                                       all_logits=False, prompt=True))
+            wanted.append(_Calibration(draft, 1, fitting(PROMPT_TOKENS), all_logits=False, prompt=True))
     found = _calibrate(wanted, fresh, measure_fn)
     tables = [c.table for c in found]
     where = found[0].where if draft is None else "; ".join(f"{c.role} {c.where}" for c in found)
