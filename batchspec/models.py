@@ -536,8 +536,11 @@ def weights_report(config: ModelConfig, pair: ModelPair | None = None) -> dict[s
     by kernel, their bytes and their attention path (`kv.attention_path`) when they are here, else (models on Ray workers) what the config asks.
     Outputs are exact against plain decoding of the target as listed here."""
     if pair is None:
-        return {"target": f"{config.dtype}, quantization {config.quantization}",
-                "draft": f"{draft_dtype(config)}, quantization {draft_quantization(config)}"}
+        quantization = draft_quantization(config)
+        target_path = "+prefill-int8" if config.prefill_kernel == "int8" else ""
+        draft_path = "+prefill-int8" if draft_prefill_kernel(quantization, config.device) == "int8" else ""
+        return {"target": f"{config.dtype}, quantization {config.quantization}{target_path}",
+                "draft": f"{draft_dtype(config)}, quantization {quantization}{draft_path}"}
     report = {}
     for role, model in (("target", pair.target), ("draft", pair.draft)):
         if model is not None:

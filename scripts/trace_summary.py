@@ -9,6 +9,11 @@ round, which says whether anything besides prefill stalled the rows; and the mos
 one step ran. Issue 29's stall target reads: no step's rest above twice the slowest plain round.
 Then what the drafter's catch-ups fed and took, and what a token of a row's own catch-ups (deferred
 prefills and long lags, one row a forward) cost.
+
+A second table prices the plain rounds (those that verified no draft) by how many rows they ran:
+issue 29's "K = 0 costs what `ar` costs" read round for round at equal row counts, without the
+prefill and catch-ups that share a run's decoding seconds. A method whose declined rounds still pay
+for something (a lookup, the policy's weighing of its proposals) shows it here against `ar`.
 """
 
 from __future__ import annotations
@@ -64,6 +69,20 @@ def summarise(lines: list[str]) -> list[dict]:
     return out
 
 
+def plain_rounds(lines: list[str]) -> list[dict]:
+    """Per method and row count (in the order first seen, row counts ascending): how many rounds
+    verified no draft and their mean milliseconds."""
+    seconds: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for line in lines:
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record["piece"] == "round" and record.get("verify_width", 0) == 0:
+            seconds[record.get("method", "-")][len(record["requests"])].append(record["s"])
+    return [{"method": method, "rows": rows, "rounds": len(s), "mean_ms": 1e3 * sum(s) / len(s)}
+            for method, by_rows in seconds.items() for rows, s in sorted(by_rows.items())]
+
+
 def render(rows: list[dict]) -> str:
     headers = ["method", "steps", "longest step s", "its prefill s", "its rest s", "longest rest s",
                "slowest round s", "prefill pieces/step", "catch-up tokens", "catch-up s", "own catch-ups ms/token"]
@@ -71,6 +90,11 @@ def render(rows: list[dict]) -> str:
             "slowest_round_s", "most_prefill_pieces", "catch_up_tokens", "catch_up_s", "own_catch_up_ms_per_token")
     return format_table(headers, [[f"{r[k]:.3f}" if isinstance(r[k], float) else "-" if r[k] is None else str(r[k])
                                    for k in keys] for r in rows])
+
+
+def render_plain(rows: list[dict]) -> str:
+    return format_table(["method", "rows", "plain rounds", "mean ms"],
+                        [[r["method"], str(r["rows"]), str(r["rounds"]), f"{r['mean_ms']:.1f}"] for r in rows])
 
 
 def main() -> None:
@@ -82,10 +106,12 @@ def main() -> None:
     except OSError as exc:
         parser.exit(2, f"trace_summary: cannot read {args.trace}: {exc.strerror}\n")
     try:
-        rows = summarise(lines)
+        rows, plain = summarise(lines), plain_rounds(lines)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         parser.exit(2, f"trace_summary: {args.trace} is not a step trace ({type(exc).__name__}: {exc})\n")
     print(render(rows))
+    print("\nPlain rounds (no draft verified) by the rows they ran")
+    print(render_plain(plain))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from batchspec.kernels import (
     weights_summary,
 )
 from batchspec.kv import forward_plain, new_dynamic_cache, prompt_first_forwards
-from batchspec.models import draft_prefill_kernel, load_model, load_pair
+from batchspec.models import draft_prefill_kernel, load_model, load_pair, weights_report
 from batchspec.reference import greedy_decode, reference_decode
 from batchspec.roles import prompt_pass, prompt_positions
 
@@ -185,6 +185,16 @@ def test_loading_names_the_prompt_path_and_counts_its_bytes(tmp_path):
     assert has_prompt_path(plain.draft) and "int8+prefill-int8 x" in weights_summary(plain.draft)
     float_draft = load_pair(ModelConfig(str(target_dir), str(draft_dir), quantization="int4", draft_quantization="none"))
     assert not has_prompt_path(float_draft.draft)
+
+
+def test_a_report_without_the_models_names_the_prompt_paths_the_config_gives():
+    """Models on Ray workers are reported from the config: the target's prompt path where
+    --prefill-kernel asks for it, the drafter's wherever it is quantized."""
+    report = weights_report(ModelConfig(quantization="int4", prefill_kernel="int8", draft_quantization="int4"))
+    assert report["target"].endswith("quantization int4+prefill-int8")
+    assert report["draft"].endswith("quantization int4+prefill-int8")
+    report = weights_report(ModelConfig(quantization="int4", draft_quantization="none"))
+    assert report["target"].endswith("quantization int4") and report["draft"].endswith("quantization none")
 
 
 def test_a_drafter_without_the_int8_product_loads_without_a_prompt_path(monkeypatch):

@@ -13,7 +13,8 @@ from batchspec.config import SamplingParams, SpecConfig
 from batchspec.trace import StepTrace
 
 SCRIPT = Path(__file__).parent.parent / "scripts" / "trace_summary.py"
-summarise = runpy.run_path(str(SCRIPT))["summarise"]
+SUMMARY = runpy.run_path(str(SCRIPT))
+summarise, plain_rounds = SUMMARY["summarise"], SUMMARY["plain_rounds"]
 
 
 def test_a_step_is_its_prefill_pieces_plus_the_rest():
@@ -40,6 +41,21 @@ def test_a_step_is_its_prefill_pieces_plus_the_rest():
     ]
 
 
+def test_plain_rounds_are_priced_by_their_row_count():
+    """Only rounds that verified no draft count, grouped per method by how many rows they ran."""
+    records = [
+        {"method": "m", "step": 0, "piece": "round", "s": 0.1, "requests": [0, 1], "verify_width": 0},
+        {"method": "m", "step": 1, "piece": "round", "s": 0.3, "requests": [0, 1], "verify_width": 0},
+        {"method": "m", "step": 2, "piece": "round", "s": 0.9, "requests": [0, 1], "verify_width": 3},
+        {"method": "m", "step": 3, "piece": "round", "s": 0.05, "requests": [1], "verify_width": 0},
+        {"method": "m", "step": 3, "piece": "prefill", "s": 2.0, "requests": [2]},
+        {"method": "n", "step": 0, "piece": "round", "s": 0.2, "requests": [0, 1], "verify_width": 0},
+    ]
+    rows = plain_rounds([json.dumps(r) for r in records])
+    assert [(r["method"], r["rows"], r["rounds"]) for r in rows] == [("m", 1, 1), ("m", 2, 2), ("n", 2, 1)]
+    assert [round(r["mean_ms"], 6) for r in rows] == [50.0, 200.0, 200.0]
+
+
 def test_it_reads_what_the_engine_writes(tmp_path):
     """A real trace: short prompts under a 16-token budget share a step's prefill (a forward each)."""
     path = tmp_path / "trace.jsonl"
@@ -50,3 +66,5 @@ def test_it_reads_what_the_engine_writes(tmp_path):
     [row] = summarise(path.read_text().splitlines())
     assert row["method"] == "-" and row["steps"] == engine.steps
     assert row["most_prefill_pieces"] >= 2 and row["longest_rest_s"] >= row["slowest_round_s"] > 0
+    plain = plain_rounds(path.read_text().splitlines())
+    assert sum(r["rounds"] for r in plain) == engine.stats.rounds  # plain decoding verifies nothing
