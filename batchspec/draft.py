@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +27,16 @@ class CatchUp:
     shared: bool
     complete: bool
     seconds: float
+
+
+class Backlog(NamedTuple):
+    """What catching each row up would feed a drafter before it can draft for the row (`lags` [b]
+    tokens: what plain steps committed, a prompt not prefilled yet) and whether that forward runs on
+    the drafter's prompt path (`fast` [b]; `Costs.prompt_time` prices it, `Costs.draft_time` the
+    others). One answer per round, from one read of the drafter's cursors."""
+
+    lags: list[int]
+    fast: list[bool]
 
 
 # Turns one step of drafter logits [b, vocab] into tokens [b]; `step` is the draft index within the

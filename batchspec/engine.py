@@ -225,8 +225,8 @@ class Engine:
     def _plan(self, seqs: list[Sequence], allowance: int | None) -> RoundPlan:
         if not self.speculation.weighs_backlog:
             return self.speculation.plan(seqs, None, allowance)
-        drafter = self.rows.drafter
-        return self.speculation.plan(seqs, drafter.backlog(seqs), allowance, drafter.fast_catch_ups(seqs))
+        lags, fast = self.rows.drafter.backlog(seqs)
+        return self.speculation.plan(seqs, lags, allowance, fast)
 
     def _draft(self, seqs: list[Sequence], plan: RoundPlan) -> tuple[Draft, Draft]:
         """What the drafter proposed and what the policy chose to verify of it."""

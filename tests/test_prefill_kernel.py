@@ -315,8 +315,8 @@ def test_a_drafters_prompt_path_keeps_outputs_exact_and_its_cache_checkable(meth
 def test_a_long_catch_up_continues_the_prompt_path_only_where_it_ends():
     """Fed alone from where the slots its prompt path computed end (here the prefill at admission,
     after 40 plain steps), a long catch-up takes the prompt path too and extends those slots; once a
-    drafting step has fed past them, the next long catch-up takes the weights' kernel. `fast_catch_ups`
-    says which before each, for the policy's pricing."""
+    drafting step has fed past them, the next long catch-up takes the weights' kernel. `backlog` says
+    which before each, for the policy's pricing."""
     target, draft = prompt_path_pair("llama")
     seen = spy_on_roles(draft)
     spec = SpecConfig(method="ragged", speculation="fixed", num_draft_tokens=2, batch_size=1)
@@ -330,7 +330,7 @@ def test_a_long_catch_up_continues_the_prompt_path_only_where_it_ends():
     slots, fast = [], []
     while engine.has_unfinished():
         slots.append(list(drafter.prompt_slots))
-        fast.append(drafter.fast_catch_ups(engine.running))
+        fast.append(drafter.backlog(engine.running).fast)
         output = engine.step()
     assert output[0].generated == greedy_decode(target, prompt, 150)
     assert slots[1] == [20]  # the prefill at admission (slots[i]: before step i)

@@ -572,7 +572,7 @@ def test_unseeded_rows_keep_the_targets_distribution_on_a_step_shaped_cost_table
 
 
 def test_a_deferred_prefill_on_the_drafters_prompt_path_is_priced_by_it():
-    """A row whose catch-up runs on the drafter's prompt path (`Drafter.fast_catch_ups`: a deferred
+    """A row whose catch-up runs on the drafter's prompt path (`Drafter.backlog`: a deferred
     prefill) is priced by `Costs.prompt_time`, its pieces too; others by `draft_time`. A prompt too dear
     to catch up by the weights' kernel is caught up where the prompt path makes it cheap enough."""
     costs = ScriptedCosts(verify_base=1.0, verify_token=0.05, draft_step=0.28, draft_token=0.002, prompt_share=0.25)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from ..draft import SHARED_CATCH_UP, CatchUp, Draft, Picker, empty_draft, pick_argmax
+from ..draft import SHARED_CATCH_UP, Backlog, CatchUp, Draft, Picker, empty_draft, pick_argmax
 from ..layouts.base import LayoutView, swap_remove_order
 from ..sequence import Sequence
 
@@ -47,9 +47,8 @@ class Drafter(ABC):
     that keeps state it can check exposes it in `views`. Stateless drafters ignore all but `propose`.
 
     Adaptive speculation adds `propose_steered` (draft while a `Steering` says it pays), `skip` (a
-    round passed without drafts) and `backlog` (what catching a row up would feed it, and
-    `fast_catch_ups`, by which path); all have
-    defaults, so a drafter that knows none of them still works.
+    round passed without drafts) and `backlog` (what catching a row up would feed it, and by which
+    path); all have defaults, so a drafter that knows none of them still works.
     """
 
     # Whether `propose_steered` drafts nothing unless the steering's `proceed(0)` says to: the policy
@@ -76,15 +75,10 @@ class Drafter(ABC):
         drafts all k at once (a drafter that cannot stop early); the engine trims afterwards."""
         return self.propose(seqs, k, pick)
 
-    def backlog(self, seqs: list[Sequence]) -> list[int]:
-        """Tokens per row this drafter must be fed before it can draft for it (what plain steps
-        committed, a prompt it has not prefilled yet): the speculation policy weighs that cost."""
-        return [0] * len(seqs)
-
-    def fast_catch_ups(self, seqs: list[Sequence]) -> list[bool]:
-        """Whether each row's catch-up would run on this drafter's prompt path (`Costs.prompt_time`
-        prices it) rather than its weights' kernel (`Costs.draft_time`)."""
-        return [False] * len(seqs)
+    def backlog(self, seqs: list[Sequence]) -> Backlog:
+        """Per row, the tokens this drafter must be fed before it can draft for it and whether that
+        catch-up runs on its prompt path: the speculation policy weighs that cost. None here."""
+        return Backlog([0] * len(seqs), [False] * len(seqs))
 
     def catch_ups(self) -> list[CatchUp]:
         """The forwards the last `propose` (or `skip`) ran catching rows up rather than drafting (a

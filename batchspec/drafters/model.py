@@ -48,7 +48,7 @@ from ..layouts import Layout, LayoutView, RaggedLayout
 from ..layouts.base import FILLER_TOKEN
 from ..roles import prompt_pass
 from ..sequence import Sequence
-from .base import SHARED_CATCH_UP, CatchUp, Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
+from .base import SHARED_CATCH_UP, Backlog, CatchUp, Draft, Drafter, Picker, Steering, empty_draft, pick_argmax
 
 
 class ModelDrafter(Drafter):
@@ -84,20 +84,18 @@ class ModelDrafter(Drafter):
             self._home.prefill([s.prompt_ids for s in seqs])
             self.prompt_slots += [len(s.prompt_ids) for s in seqs]
 
-    def backlog(self, seqs: list[Sequence]) -> list[int]:
+    def backlog(self, seqs: list[Sequence]) -> Backlog:
         """Tokens each row would be fed before it can be drafted for (its prompt, if lazy and never
-        drafted for). Pooled or padded, rows cannot be left out of a catch-up: none reported."""
+        drafted for), and whether that runs on the prompt path: fed alone from where the slots its
+        prompt path computed end (a deferred prefill). Pooled or padded, rows cannot be left out of a
+        catch-up: none reported."""
         if not self.rowwise:
-            return [0] * len(seqs)
-        # `_span`'s difference, in Python (asked every round): a row holds at most all but its last two
-        return [max(s.length - 2 - have, 0) for s, have in zip(seqs, self.layout.lengths.tolist())]
-
-    def fast_catch_ups(self, seqs: list[Sequence]) -> list[bool]:
-        """Whether each row's catch-up would run on the prompt path: fed alone from where the slots its
-        prompt path computed end (a deferred prefill). False for a drafter without one."""
-        if not self.rowwise or not self.prompt_path:
-            return [False] * len(seqs)
-        return [have == fast for have, fast in zip(self.layout.lengths.tolist(), self.prompt_slots)]
+            return Backlog([0] * len(seqs), [False] * len(seqs))
+        held = self.layout.lengths.tolist()  # one host copy a round: the engine asks every round
+        # `_span`'s difference, in Python: a row holds at most all but its last two tokens
+        lags = [max(s.length - 2 - have, 0) for s, have in zip(seqs, held)]
+        fast = [self.prompt_path and have == slots for have, slots in zip(held, self.prompt_slots)]
+        return Backlog(lags, fast)
 
     def catch_ups(self) -> list[CatchUp]:
         return self.caught_up

@@ -28,7 +28,7 @@ import torch
 from ..layouts import LayoutView
 from ..layouts.base import FILLER_TOKEN
 from ..sequence import Sequence
-from .base import CatchUp, Draft, Drafter, Picker, Steering, pick_argmax
+from .base import Backlog, CatchUp, Draft, Drafter, Picker, Steering, pick_argmax
 from .model import ModelDrafter
 
 
@@ -157,11 +157,8 @@ class HybridDrafter(Drafter):
     def skip(self, seqs: list[Sequence]) -> None:
         self.model.skip(seqs)
 
-    def backlog(self, seqs: list[Sequence]) -> list[int]:
+    def backlog(self, seqs: list[Sequence]) -> Backlog:
         return self.model.backlog(seqs)
-
-    def fast_catch_ups(self, seqs: list[Sequence]) -> list[bool]:
-        return self.model.fast_catch_ups(seqs)
 
     def catch_ups(self) -> list[CatchUp]:
         return self.model.catch_ups()

@@ -51,7 +51,7 @@ class Speculation(ABC):
         """The round for these rows; backlog[b]: tokens the drafter must be fed (catch up on) before
         it can draft for row b (`Drafter.backlog`; None: nothing); allowance: catch-up tokens this
         step may still feed (the step's token budget less what prefill took; None: unbounded);
-        fast[b]: row b's catch-up runs on the drafter's prompt path (`Drafter.fast_catch_ups`)."""
+        fast[b]: row b's catch-up runs on the drafter's prompt path (the same call)."""
 
     def settle(self, plan: RoundPlan, draft: Draft) -> Draft:
         """The drafts to verify, out of what the drafter proposed."""
