@@ -33,7 +33,7 @@ class Backlog(NamedTuple):
     """What catching each row up would feed a drafter before it can draft for the row (`lags` [b]
     tokens: what plain steps committed, a prompt not prefilled yet) and whether that forward runs on
     the drafter's prompt path (`fast` [b]; `Costs.prompt_time` prices it, `Costs.draft_time` the
-    others). One answer per round, from one read of the drafter's cursors."""
+    others). The engine asks once a round, before planning it."""
 
     lags: list[int]
     fast: list[bool]

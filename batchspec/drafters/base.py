@@ -77,7 +77,8 @@ class Drafter(ABC):
 
     def backlog(self, seqs: list[Sequence]) -> Backlog:
         """Per row, the tokens this drafter must be fed before it can draft for it and whether that
-        catch-up runs on its prompt path: the speculation policy weighs that cost. None here."""
+        catch-up runs on its prompt path: the speculation policy weighs that cost. By default
+        nothing to feed (a drafter without per-row state)."""
         return Backlog([0] * len(seqs), [False] * len(seqs))
 
     def catch_ups(self) -> list[CatchUp]:
