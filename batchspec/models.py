@@ -32,6 +32,7 @@ from .config import NGRAM, BatchspecError, ModelConfig, half_precision_refusal
 from .kernels import (
     INT4,
     NONE,
+    PREFILL_INT8,
     apply_linear_kernel,
     apply_quantization,
     native_bfloat16,
@@ -537,8 +538,8 @@ def weights_report(config: ModelConfig, pair: ModelPair | None = None) -> dict[s
     Outputs are exact against plain decoding of the target as listed here."""
     if pair is None:
         quantization = draft_quantization(config)
-        target_path = "+prefill-int8" if config.prefill_kernel == "int8" else ""
-        draft_path = "+prefill-int8" if draft_prefill_kernel(quantization, config.device) == "int8" else ""
+        target_path = f"+{PREFILL_INT8}" if config.prefill_kernel == "int8" else ""
+        draft_path = f"+{PREFILL_INT8}" if draft_prefill_kernel(quantization, config.device) == "int8" else ""
         return {"target": f"{config.dtype}, quantization {config.quantization}{target_path}",
                 "draft": f"{draft_dtype(config)}, quantization {quantization}{draft_path}"}
     report = {}

@@ -47,8 +47,8 @@ class RoundSteering:
     alpha: torch.Tensor  # [b, k_max] per-slot acceptance probability (conditional on the slots before)
     backlog: torch.Tensor  # [b] tokens the drafter must be fed (catch up on) before drafting for the row
     remaining: torch.Tensor  # [b] tokens each row may still commit: what a catch-up pays back over
+    fast: list[bool]  # [b] row b's catch-up runs on the drafter's prompt path
     allowance: int | None = None  # catch-up tokens this step may still feed (None: unbounded)
-    fast: list[bool] | None = None  # [b] row b's catch-up runs on the drafter's prompt path (None: none does)
     probe: bool = False
     probe_cost: float = 0.0  # predicted seconds a probe adds to a plain step (set when it is one)
     steps: int = 0  # drafter steps run so far
@@ -154,14 +154,15 @@ class AdaptiveSpeculation(Speculation):
         if max(caps) == 0:
             return RoundPlan(0)
         lags = backlog if backlog is not None else [0] * len(seqs)
+        fast = fast if fast is not None else [False] * len(seqs)
         alpha = self.model.expected_rows(seqs)
         if self.asks_first and self.idle(alpha, caps, lags, allowance, fast):
             return RoundPlan(0, declined=True)
         return RoundPlan(max(caps), RoundSteering(self, seqs, torch.tensor(caps), torch.tensor(alpha, dtype=torch.float64),
-                                                  torch.tensor(lags), torch.tensor(remaining), allowance, fast))
+                                                  torch.tensor(lags), torch.tensor(remaining), fast, allowance))
 
     def idle(self, alpha: list[list[float]], caps: list[int], lags: list[int], allowance: int | None,
-             fast: list[bool] | None = None) -> bool:
+             fast: list[bool]) -> bool:
         """Whether `open` would surely make this round a plain step that feeds no catch-up and runs
         no probe, found on the rows' lists in Python floats (most rounds are such rounds where
         speculation does not pay, and `open`'s few dozen operations on [b, k] tensors would cost
@@ -203,7 +204,7 @@ class AdaptiveSpeculation(Speculation):
         _, best = self.best_rate(rows, gains, 1, top)
         return best * (1 + PROMISE_SLACK) > rows / plain * (1 + OPEN_MARGIN)
 
-    def probe_price(self, lags: list[int], plain: float, fast: list[bool] | None = None) -> float | None:
+    def probe_price(self, lags: list[int], plain: float, fast: list[bool]) -> float | None:
         """Seconds a one-draft probe of rows lagging `lags` tokens (0: not drafting; `fast`: on the
         drafter's prompt path) would add to a plain step (`plain` seconds), if the probe credit covers
         them (None: not yet)."""
@@ -219,12 +220,11 @@ class AdaptiveSpeculation(Speculation):
         self.draft_account = min(self.draft_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
         self.catch_up_account = min(self.catch_up_account + PROBE_SHARE * plain, ACCOUNT_STEPS * plain)
 
-    def catch_up_time(self, lags: list[int], long: bool, fast: list[bool] | None = None) -> float:
+    def catch_up_time(self, lags: list[int], long: bool, fast: list[bool]) -> float:
         """Predicted seconds of catching up rows lagging `lags` tokens (0: a row that does not
         draft): their long lags (`long`: a forward of each row's own, on the drafter's prompt path
         where `fast` says so) or their short ones (one forward shared by all rows)."""
         if long:
-            fast = fast or [False] * len(lags)
             return sum(self.catch_up_cost(n, f) for n, f in zip(lags, fast) if n > SHARED_CATCH_UP)
         short = max((n for n in lags if n <= SHARED_CATCH_UP), default=0)
         return self.costs.draft_time(len(lags), short) if short > 0 else 0.0
@@ -310,8 +310,7 @@ class AdaptiveSpeculation(Speculation):
                 return plain  # `open` would not draft for this set: its rounds are plain steps
             return self.best_width(steer, 1, top, 0, cumulative=optimistic * drafting[:, None])[1]
 
-        fast = steer.fast or [False] * rows
-        cost = {b: self.catch_up_cost(int(steer.backlog[b]), fast[b]) for b in lagging.nonzero().flatten().tolist()}
+        cost = {b: self.catch_up_cost(int(steer.backlog[b]), steer.fast[b]) for b in lagging.nonzero().flatten().tolist()}
         order = sorted(cost, key=cost.get)
         drafting = ~lagging
         before = rate(drafting)
@@ -354,7 +353,7 @@ class AdaptiveSpeculation(Speculation):
             _, go = self.best_width(steer, 1, int(steer.caps.max()), 0)
             if go > stop * (1 + OPEN_MARGIN):
                 tokens = rows * float(steer.remaining[steer.drafting()].double().mean())
-                if self.saving(tokens, stop, go) > CATCH_UP_PAYBACK * self.catch_up_time(steer.lags(), long=False):
+                if self.saving(tokens, stop, go) > CATCH_UP_PAYBACK * self.catch_up_time(steer.lags(), False, steer.fast):
                     self.probe_credit = min(self.probe_credit, 0.0)  # earned while idle; a debt stays
                     return True
         steer.caps = everyone
